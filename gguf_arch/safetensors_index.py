@@ -1,0 +1,208 @@
+"""Header-first view of a sharded safetensors checkpoint.
+
+`model.safetensors.index.json` and the header of every shard are read and validated before any
+tensor byte is touched; tensor data is then handed out as read-only numpy views of a memory map,
+so a 16 GB shard is never copied into memory.
+
+The headers are parsed here rather than by `safetensors.safe_open`: safe_open rejects a bad file
+with a generic message that names neither the shard nor the tensor, cannot tell a truncated shard
+from a corrupt header, and its numpy `get_tensor` returns a copy, not a view of the file. The
+byte-level checks (header length within the file, offsets in range and non-overlapping, dtype x
+shape == byte length) need the raw header anyway.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors' own limit on the JSON header; a larger length field means a corrupt file.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# safetensors dtype -> numpy dtype of the stored bytes. BF16 has no numpy type: its raw
+# 16-bit patterns are handed out as uint16 and widened by `transforms.to_f32`.
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"),
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+    "I16": np.dtype("<i2"),
+    "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"),
+    "BOOL": np.dtype("?"),
+}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the converter plans with: a tensor's stored dtype and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of one shard: where its bytes are."""
+
+    name: str
+    shard: str  # file name inside the model directory
+    meta: TensorMeta
+    start: int  # absolute byte offset in the shard file
+    nbytes: int
+
+
+def _check_shard_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{INDEX_FILE}: shard name must be a non-empty string, got {name!r}")
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
+        raise CheckpointError(f"{INDEX_FILE}: shard name {name!r} is not a plain file name inside the "
+                              "model directory (no paths, no '..')")
+    return name
+
+
+def read_weight_map(model_dir: Path) -> dict[str, str]:
+    """tensor name -> shard file name, validated."""
+    path = model_dir / INDEX_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found (expected a sharded safetensors checkpoint)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as JSON: {exc}") from None
+    wmap = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise CheckpointError(f"{path}: expected an object with a non-empty 'weight_map'")
+    for shard in wmap.values():
+        _check_shard_name(shard)
+    return wmap
+
+
+def _tensor_entry(shard: str, name: str, info: object, data_start: int) -> TensorEntry:
+    where = f"{shard}: tensor {name}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{where}: corrupt safetensors header entry {info!r} "
+                              "(expected dtype, shape, data_offsets)")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in NUMPY_DTYPES:
+        raise CheckpointError(f"{where}: unsupported safetensors dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: corrupt shape {shape!r} in the safetensors header")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{where}: corrupt data_offsets {offsets!r} in the safetensors header")
+    nbytes = math.prod(shape) * NUMPY_DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise CheckpointError(f"{where}: {dtype} {shape} needs {nbytes} bytes but data_offsets "
+                              f"{offsets} span {offsets[1] - offsets[0]}")
+    return TensorEntry(name, shard, TensorMeta(dtype, tuple(shape)), data_start + offsets[0], nbytes)
+
+
+def read_shard_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and validate one shard's header without reading tensor data."""
+    shard = path.name
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated: {size} bytes, shorter than the 8-byte header length")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+                raise CheckpointError(f"{path}: corrupt or truncated safetensors header: header length field "
+                                      f"says {hlen} bytes, the file has {size - 8} after it")
+            header_bytes = f.read(hlen)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} not found") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is a directory") from None
+    try:
+        header = json.loads(header_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (expected a JSON object)")
+    data_start = 8 + hlen
+    entries = {name: _tensor_entry(shard, name, info, data_start)
+               for name, info in header.items() if name != "__metadata__"}
+    _check_layout(path, size, entries.values())
+    return entries
+
+
+def _check_layout(path: Path, size: int, entries) -> None:
+    spans = sorted((e.start, e.start + e.nbytes, e.name) for e in entries if e.nbytes)
+    for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensors {n0} and {n1} overlap")
+    if spans:
+        end = max(e for _, e, _ in spans)
+        if end > size:
+            last = max(spans, key=lambda s: s[1])[2]
+            raise CheckpointError(f"{path}: truncated: the file has {size} bytes but tensor {last} "
+                                  f"ends at byte {end}")
+
+
+class Checkpoint:
+    """Every tensor of a sharded checkpoint: metadata from the headers, data as mmap views."""
+
+    def __init__(self, model_dir: Path, entries: dict[str, TensorEntry]):
+        self.model_dir = model_dir
+        self.entries = entries
+        self._maps: dict[str, np.memmap] = {}
+
+    @property
+    def metas(self) -> dict[str, TensorMeta]:
+        return {name: e.meta for name, e in self.entries.items()}
+
+    def array(self, name: str) -> np.ndarray:
+        """A read-only view of the tensor's stored bytes as its numpy dtype (BF16 as uint16)."""
+        e = self.entries[name]
+        mm = self._maps.get(e.shard)
+        if mm is None:
+            mm = self._maps[e.shard] = np.memmap(self.model_dir / e.shard, dtype=np.uint8, mode="r")
+        dt = NUMPY_DTYPES[e.meta.dtype]
+        return mm[e.start:e.start + e.nbytes].view(dt).reshape(e.meta.shape)
+
+    def read(self, name: str) -> tuple[str, np.ndarray]:
+        """(safetensors dtype, view): the reader the transforms take."""
+        return self.entries[name].meta.dtype, self.array(name)
+
+    def close(self) -> None:
+        """Drop the memory maps (views handed out keep their own reference)."""
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_checkpoint(model_dir: Path | str) -> Checkpoint:
+    """Read the index and every shard header; every listed tensor must sit in the shard named."""
+    model_dir = Path(model_dir)
+    wmap = read_weight_map(model_dir)
+    entries: dict[str, TensorEntry] = {}
+    for shard in sorted(set(wmap.values())):
+        for name, entry in read_shard_header(model_dir / shard).items():
+            listed = wmap.get(name)
+            if listed != shard:
+                where = f"maps it to {listed}" if listed else "does not list it"
+                raise CheckpointError(f"{model_dir / shard}: holds tensor {name} but {INDEX_FILE} {where}")
+            entries[name] = entry
+    absent = [n for n in wmap if n not in entries]
+    if absent:
+        raise CheckpointError(f"{INDEX_FILE}: tensor {absent[0]} is mapped to {wmap[absent[0]]} but that "
+                              f"shard's header does not contain it ({len(absent)} such tensor(s))")
+    return Checkpoint(model_dir, entries)

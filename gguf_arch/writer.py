@@ -1,0 +1,126 @@
+"""Streaming GGUF writer: plan first (names, types, byte sizes, order), then data in bounded chunks.
+
+gguf-py's `GGUFWriter.add_tensor` keeps every tensor in memory until `write_tensors_to_file`, which
+for a 1.5 TB checkpoint is not an option. We use its lower-level API instead: `add_tensor_info`
+for each planned tensor with its final byte size, `write_header_to_file`, `write_kv_data_to_file`,
+`write_ti_data_to_file`, and then write each tensor's bytes ourselves as they are produced, with
+the same alignment padding gguf-py uses. Peak memory is one chunk, not one model.
+
+The output appears only when complete: data goes to `<out>.partial` in the same directory, which
+is fsync'd and renamed over the final name; any error or Ctrl-C removes it. The plan is a plain
+value so that split output and resume can be built on it without touching the data path.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+
+from .errors import OutputError
+
+KV = tuple[str, Any, GGUFValueType, "GGUFValueType | None"]
+
+
+def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of logical numpy shape `shape`; the last dim must fill whole blocks."""
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    if shape[-1] % block:
+        raise ValueError(f"{ggml_type.name} needs the last dimension to be a multiple of {block}, got {shape}")
+    return math.prod(shape[:-1]) * (shape[-1] // block) * size
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # logical, numpy order (ggml ne reversed)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.ggml_type, self.shape)
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-1], self.nbytes // max(1, math.prod(self.shape[:-1])))
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """Everything about the file except the tensor bytes: what a writer (or a splitter) needs."""
+
+    arch: str
+    kv: tuple[KV, ...]
+    tensors: tuple[OutputTensor, ...]
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse an existing output unless asked to replace it (checked before any work is done)."""
+    if out.exists() and not overwrite:
+        raise OutputError(f"{out}: already exists (use --overwrite to replace it)")
+    if out.is_dir():
+        raise OutputError(f"{out}: is a directory")
+    if not out.parent.is_dir():
+        raise OutputError(f"{out.parent}: output directory does not exist")
+
+
+def _header_writer(layout: GGUFLayout) -> GGUFWriter:
+    w = GGUFWriter(None, layout.arch)
+    for key, value, vtype, sub_type in layout.kv:
+        w.add_key_value(key, value, vtype, sub_type)
+    for t in layout.tensors:
+        # A uint8 byte shape plus raw_dtype is gguf-py's way to declare a tensor of any type.
+        w.add_tensor_info(t.name, t.byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.ggml_type)
+    return w
+
+
+def _pad(fout, alignment: int) -> None:
+    fout.write(b"\0" * (-fout.tell() % alignment))
+
+
+def _write_data(fout, layout: GGUFLayout, alignment: int, chunks_for: Callable[[OutputTensor], Iterable]) -> None:
+    for t in layout.tensors:
+        _pad(fout, alignment)
+        written = 0
+        for chunk in chunks_for(t):
+            written += fout.write(chunk)
+        if written != t.nbytes:
+            raise ValueError(f"{t.name}: produced {written} bytes, planned {t.nbytes}")
+    _pad(fout, alignment)
+
+
+def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor], Iterable],
+               overwrite: bool = False) -> None:
+    """Write `layout` to `out`, pulling each tensor's bytes from `chunks_for` in layout order."""
+    out = Path(out)
+    check_output(out, overwrite)
+    tmp = partial_path(out)
+    w = _header_writer(layout)
+    try:
+        try:
+            w.write_header_to_file(tmp)
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            fout = w.fout[0]
+            _write_data(fout, layout, w.data_alignment, chunks_for)
+            fout.flush()
+            os.fsync(fout.fileno())
+        finally:
+            w.close()
+        check_output(out, overwrite)
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"writing {out} failed: {exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
