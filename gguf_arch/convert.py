@@ -18,6 +18,7 @@ from .errors import CheckpointError
 from .keys import ARCH, FILE_TYPE_MXFP4_MOE, QUANTIZATION_VERSION, model_keys
 from .safetensors_index import TensorMeta, open_checkpoint
 from .tensors import OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
+from .tokenizer import tokenizer_metadata
 from .transforms import SAME_BYTES, tensor_chunks
 from .writer import KV, GGUFLayout, OutputTensor, check_output, write_gguf
 
@@ -124,6 +125,7 @@ def gguf_metadata(cfg: K3Config, model_dir: Path) -> list[KV]:
         ("general.name", model_dir.resolve().name, T.STRING, None),
         *model_keys(cfg),
         ("general.file_type", FILE_TYPE_MXFP4_MOE, T.UINT32, None),
+        *tokenizer_metadata(model_dir, cfg),
         ("general.quantization_version", QUANTIZATION_VERSION, T.UINT32, None),
     ]
 
