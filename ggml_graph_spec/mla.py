@@ -1,0 +1,100 @@
+"""Gated NoPE MLA in the absorbed form over a latent cache (k3-spec D.3 and E.5).
+
+Layout (ggml `ne` order, one sequence): x [n_embd, T]; per token the cache row is the normed
+latent c [kv_lora] followed by the raw k_pe [rope] (no norm, no rotation: K3 is NoPE, its
+"rope" dims are plain learned dims). Each head's query is absorbed into the latent space,
+q_lat_h = W_kb[h]^T q_nope_h, so that score_h = q_lat_h . c + q_pe_h . k_pe is one dot product
+of [q_lat_h | q_pe_h] with the cache row; the value is the latent itself (a view of the first
+kv_lora values of the row) and the output leaves the latent space through attn_v_b.
+
+Two attention kernels share everything else:
+* exact (`g.exact`): F32 cache, `mul_mat` + `soft_max_ext` with an F32 mask, no f16 anywhere;
+* fast: `flash_attn_ext` with F16 K/V (the cache) and an F16 mask, as llama.cpp runs it.
+"""
+from __future__ import annotations
+
+import ggml
+
+from . import dsa
+
+# Moonshot's q_a_layernorm / kv_a_layernorm are built without eps and use the class default;
+# llama.cpp uses the model's rms_norm_eps here instead.
+LATENT_NORM_EPS = 1e-6
+
+_F32 = ggml.GGML_TYPE_F32
+_F16 = ggml.GGML_TYPE_F16
+
+
+def q_lora_latent(g, w, x):
+    """cq = rmsnorm(attn_q_a x), [q_lora, T]: the MLA queries and the DSA indexer queries read it."""
+    return g.rms_norm(g.mm(w("attn_q_a.weight"), x), w("attn_q_a_norm.weight"), LATENT_NORM_EPS)
+
+
+def absorbed_query(g, w, cq):
+    """[q_lat | q_pe] per head, ne [kv_lora + rope, T, H]."""
+    c = g.cfg
+    ctx, T, H = g.ctx, g.n_tokens, c.num_heads
+    q = ggml.ggml_reshape_3d(ctx, g.mm(w("attn_q_b.weight"), cq), c.qk_head_dim, H, T)
+    f = ggml.ggml_element_size(q)
+    q_nope = ggml.ggml_view_3d(ctx, q, c.qk_nope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2], 0)
+    q_pe = ggml.ggml_view_3d(ctx, q, c.qk_rope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2],
+                             c.qk_nope_head_dim * f)
+    # Heads become the batch dim so attn_k_b [nope, kv_lora, H] multiplies each head's query.
+    q_nope = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [nope, T, H]
+    q_lat = g.mm(w("attn_k_b.weight"), q_nope)  # [kv_lora, T, H]
+    q_pe = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_pe, 0, 2, 1, 3))  # [rope, T, H]
+    return ggml.ggml_concat(ctx, q_lat, q_pe, 0)
+
+
+def latent_row(g, w, x):
+    """The cache row per token, [rmsnorm(c) | k_pe], ne [kv_lora + rope, T]."""
+    c = g.cfg
+    ctx, T = g.ctx, g.n_tokens
+    kv = g.mm(w("attn_kv_a_mqa.weight"), x)  # [kv_lora + rope, T]
+    f = ggml.ggml_element_size(kv)
+    lat = ggml.ggml_view_2d(ctx, kv, c.kv_lora_rank, T, kv.contents.nb[1], 0)
+    k_pe = ggml.ggml_view_2d(ctx, kv, c.qk_rope_head_dim, T, kv.contents.nb[1], c.kv_lora_rank * f)
+    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w("attn_kv_a_norm.weight"), LATENT_NORM_EPS)
+    return ggml.ggml_concat(ctx, lat, ggml.ggml_cont(ctx, k_pe), 0)
+
+
+def _value_view(g, kv):
+    """The value is the latent part of each cache row: a view, no copy."""
+    return ggml.ggml_view_2d(g.ctx, kv, g.cfg.kv_lora_rank, g.n_kv, kv.contents.nb[1], 0)
+
+
+def attend_exact(g, q, kv, mask, scale: float):
+    """softmax(scale * q.k + mask) v in F32; q [D, T, H], kv [D, n_kv] F32 -> [kv_lora, T, H]."""
+    ctx = g.ctx
+    kq = ggml.ggml_mul_mat(ctx, kv, q)  # [n_kv, T, H]; kv broadcast over the heads
+    p = ggml.ggml_soft_max_ext(ctx, kq, mask, scale, 0.0)
+    v_t = ggml.ggml_cont(ctx, ggml.ggml_transpose(ctx, _value_view(g, kv)))  # [n_kv, kv_lora]
+    return ggml.ggml_mul_mat(ctx, v_t, p)
+
+
+def attend_flash(g, q, kv, mask, scale: float):
+    """llama.cpp's kernel: flash_attn_ext with F16 K/V and an F16 mask -> [kv_lora, T, H]."""
+    ctx = g.ctx
+    if kv.contents.type != _F16:
+        kv = ggml.ggml_cast(ctx, kv, _F16)
+    o = ggml.ggml_flash_attn_ext(ctx, q, kv, _value_view(g, kv), ggml.ggml_cast(ctx, mask, _F16), scale, 0.0, 0.0)
+    return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
+
+
+def build_mla(g, w, x):
+    """Gated NoPE MLA of layer `w.layer` (DSA-masked when `g.dsa_top_k` says so): [n_embd, T]."""
+    c = g.cfg
+    ctx, T = g.ctx, g.n_tokens
+    cq = q_lora_latent(g, w, x)
+    q = absorbed_query(g, w, cq)
+    kv = g.store(g.cache.mla_latent(w.layer), latent_row(g, w, x))  # [kv_lora + rope, n_kv]
+    top_k = g.dsa_top_k(w.layer)
+    mask = g.kq_mask if top_k is None else dsa.build_dsa_mask(g, w, x, cq, top_k)
+    scale = c.qk_head_dim ** -0.5  # the full nope + rope head dim, not the absorbed length
+    attend = attend_exact if g.exact else attend_flash
+    o_lat = attend(g, q, kv, mask, scale)  # [kv_lora, T, H]
+    o = g.mm(w("attn_v_b.weight"), o_lat)  # [v_dim, T, H]
+    o = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [v_dim, H, T]
+    o = ggml.ggml_reshape_2d(ctx, o, c.v_head_dim * c.num_heads, T)
+    o = ggml.ggml_mul(ctx, o, ggml.ggml_sigmoid(ctx, g.mm(w("attn_gate.weight"), x)))
+    return g.mm(w("attn_output.weight"), o)
