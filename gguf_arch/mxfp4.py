@@ -42,10 +42,15 @@ def _codes(packed: np.ndarray) -> np.ndarray:
 def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """One expert matrix -> ggml block_mxfp4 bytes, uint8 [rows, cols/32 * 17]."""
     rows, nblocks = _check_pair(packed, scale)
-    codes = _codes(packed.reshape(rows, nblocks, BLOCK // 2))  # [rows, nblocks, 32]
+    blocks = packed.reshape(rows, nblocks, BLOCK // 2)
+    # Source byte i of a block holds codes 2i (low) and 2i+1 (high): codes 0..15 are in bytes
+    # 0..7 ("first"), codes 16..31 in bytes 8..15 ("second"). Working on nibbles in place keeps
+    # the temporaries at half a block each instead of unpacking all 32 codes.
+    first, second = blocks[..., :8], blocks[..., 8:]
     out = np.empty((rows, nblocks, BLOCK_BYTES), dtype=np.uint8)
     out[..., 0] = scale
-    out[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+    out[..., 1::2] = (first & 0x0F) | (second << 4)  # qs[2i]   = code[2i]   | code[2i+16] << 4
+    out[..., 2::2] = (first >> 4) | (second & 0xF0)  # qs[2i+1] = code[2i+1] | code[2i+17] << 4
     return out.reshape(rows, nblocks * BLOCK_BYTES)
 
 

@@ -18,7 +18,7 @@ from .mxfp4 import repack_to_ggml
 from .tensors import PlannedTensor
 
 Read = Callable[[str], tuple[str, np.ndarray]]
-Chunks = Iterator[memoryview]
+Chunks = Iterator[memoryview]  # flat uint8 views
 
 CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -35,8 +35,13 @@ def to_f32(dtype: str, a: np.ndarray) -> np.ndarray:
     raise CheckpointError(f"cannot read {dtype} as a float tensor")
 
 
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    """The array's bytes as flat uint8 (a view when it is already contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
 def _byte_chunks(a: np.ndarray) -> Chunks:
-    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    flat = _flat_bytes(a)
     for start in range(0, flat.size, CHUNK_BYTES):
         yield memoryview(flat[start:start + CHUNK_BYTES])
 
@@ -51,7 +56,7 @@ def _cast_chunks(dtype: str, a: np.ndarray, out: Q) -> Chunks:
     flat = a.reshape(-1)
     step = CHUNK_BYTES // 4
     for start in range(0, flat.size, step):
-        yield memoryview(to_f32(dtype, flat[start:start + step]))
+        yield memoryview(_flat_bytes(to_f32(dtype, flat[start:start + step])))
 
 
 def _only(pt: PlannedTensor) -> str:
@@ -107,7 +112,7 @@ def mxfp4_experts(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
     for packed_name, scale_name in zip(names[0::2], names[1::2]):
         _, packed = read(packed_name)
         _, scale = read(scale_name)
-        yield memoryview(repack_to_ggml(packed, scale))
+        yield memoryview(_flat_bytes(repack_to_ggml(packed, scale)))
 
 
 TRANSFORMS: dict[str, Callable[[PlannedTensor, Q, Read], Chunks]] = {
