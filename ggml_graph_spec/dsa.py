@@ -80,17 +80,24 @@ def top_k_mask(g, scores, k: int):
     return ggml.ggml_log(ctx, ggml.ggml_add(ctx, above, tie_kept))  # log(1) = 0, log(0) = -inf
 
 
-def build_dsa_mask(g, w, x, cq, top_k: int):
-    """The attention mask of a DSA layer: selection (k = min(top_k, n_kv)) + causal, [n_kv, T] F32.
+def selection_mask(g, scores, top_k: int):
+    """The attention mask of a DSA layer, [n_kv, T] F32: 0 where key s is among the
+    min(top_k, visible) selected keys of query t and visible to it, -inf elsewhere.
 
-    Records the scores and the selected positions when the caller asked for them."""
+    k = min(top_k, n_kv) per row, as llama.cpp: a row seeing fewer than k keys selects all of
+    them plus invisible cells, which adding the causal mask removes again."""
+    return ggml.ggml_add(g.ctx, top_k_mask(g, scores, min(top_k, g.n_kv)), g.kq_mask)
+
+
+def build_dsa_mask(g, w, x, cq, top_k: int):
+    """Indexer scores -> selection mask of layer `w.layer`; records the scores and the selected
+    positions when the caller asked for them."""
     scores = indexer_scores(g, w, x, cq)
-    k = min(top_k, g.n_kv)
-    mask = ggml.ggml_add(g.ctx, top_k_mask(g, scores, k), g.kq_mask)
+    mask = selection_mask(g, scores, top_k)
     if g.wants("index_scores"):
         g.record("index_scores", w.layer, scores)
     if g.wants("index_selected"):
-        g.record("index_selected", w.layer, selected_positions(g, mask, k))
+        g.record("index_selected", w.layer, selected_positions(g, mask, min(top_k, g.n_kv)))
     return mask
 
 

@@ -32,9 +32,9 @@ def _set(t, value: np.ndarray) -> None:
 
 
 def _get(t) -> np.ndarray:
+    """As a 2-D array [rows, ne0]: every output here is [ne0, n_tokens] (T = 1 included)."""
     assert ggml.ggml_is_contiguous(t)
-    ne = [t.contents.ne[i] for i in range(ggml.ggml_n_dims(t))]
-    out = np.empty(ne[::-1], dtype=_NP[t.contents.type])
+    out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=_NP[t.contents.type])
     ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
     return out
 
@@ -152,7 +152,8 @@ class AttnGraph:
         try:
             assert ggml.ggml_gallocr_alloc_graph(galloc, gf)
             for t, value in g.inputs:
-                _set(t, value)
+                if t.contents.buffer:  # inputs the built graph does not read get no memory
+                    _set(t, value)
             assert ggml.ggml_backend_graph_compute(self.backend, gf) == ggml.GGML_STATUS_SUCCESS
             result = _get(out), {k: _get(t) for k, t in g.records.items()}
         finally:
