@@ -1,6 +1,7 @@
 """Convert a Kimi K3 / K3.1-Pro Hugging Face checkpoint to one GGUF file (arch kimi-k3).
 
-    python convert_kimi_k3.py MODEL_DIR OUT.gguf [--overwrite] [--no-dsa] [--quiet]
+    python convert_kimi_k3.py MODEL_DIR OUT.gguf [--overwrite] [--no-dsa] [--quiet] [type options]
+    python convert_kimi_k3.py MODEL_DIR --print-tensor-types [type options]
 
 Exit codes: 0 ok, 2 bad input, 1 runtime failure (I/O, disk full, output exists), 130 Ctrl-C.
 """
@@ -12,24 +13,45 @@ from pathlib import Path
 
 from gguf_arch.convert import convert
 from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, KimiError
+from quant_rules.cli_options import (add_quant_arguments, format_tensor_types, listing_resolution, quant_options,
+                                     requantize_warning, write_quantize_rules)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="convert-kimi-k3", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path, help="checkpoint directory (config.json, index, shards, tokenizer)")
-    p.add_argument("out", type=Path, help="output .gguf file")
+    p.add_argument("out", type=Path, nargs="?", help="output .gguf file (not with --print-tensor-types)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-dsa", action="store_true",
                    help="convert a K3.1-Pro checkpoint as plain kimi-k3 (no indexer keys or tensors)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    add_quant_arguments(p)
     return p
 
 
+def _run(args: argparse.Namespace, log) -> None:
+    quant = quant_options(args)
+    if quant.requantize_experts is not None:
+        print(requantize_warning(quant.requantize_experts), file=sys.stderr)
+    if args.print_tensor_types or args.export_quantize_rules:
+        types, source = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
+        if args.print_tensor_types:
+            print("\n".join([source, *types.log, *format_tensor_types(types)]))
+        if args.export_quantize_rules:
+            write_quantize_rules(args.export_quantize_rules, types)
+            log(f"wrote llama-quantize rules to {args.export_quantize_rules}")
+    if not args.print_tensor_types:
+        convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant, log=log)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.out is None and not args.print_tensor_types:
+        parser.error("the output file OUT is required unless --print-tensor-types is given")
     log = (lambda _msg: None) if args.quiet else print
     try:
-        convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, log=log)
+        _run(args, log)
     except KimiError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -21,6 +21,8 @@ from .tensors import OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
 from .tokenizer import tokenizer_metadata
 from .transforms import SAME_BYTES, tensor_chunks
 from .writer import KV, GGUFLayout, OutputTensor, check_output, write_gguf
+from quant_rules.apply import final_chunks, final_outputs, resolve_plan
+from quant_rules.rules import QuantOptions
 
 MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")
 
@@ -131,7 +133,7 @@ def gguf_metadata(cfg: K3Config, model_dir: Path) -> list[KV]:
 
 
 def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
-            log: Callable[[str], None] = print) -> Ledger:
+            quant: QuantOptions = QuantOptions(), log: Callable[[str], None] = print) -> Ledger:
     """Convert a checkpoint directory to one GGUF file; returns the ledger counts."""
     model_dir, out = Path(model_dir), Path(out)
     check_output(out, overwrite)
@@ -141,8 +143,14 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
         log(plan.ledger.summary())
         if cfg.indexer is not None and not dsa:
             log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
-        layout = GGUFLayout(ARCH, tuple(gguf_metadata(plan.cfg, model_dir)), tuple(p.output for p in plan.outputs))
+        # plan.outputs carry the contract types; quant_rules picks the final ones (and re-encodes).
+        types = resolve_plan(plan.outputs, ckpt.metas, quant)
+        for line in types.log:
+            log(line)
+        layout = GGUFLayout(ARCH, tuple(gguf_metadata(plan.cfg, model_dir)), final_outputs(types))
         by_name = {p.output.name: p.tensor for p in plan.outputs}
-        write_gguf(out, layout, lambda t: tensor_chunks(by_name[t.name], t.ggml_type, ckpt.read), overwrite)
+        decided = {d.name: d for d in types.decisions}
+        write_gguf(out, layout, lambda t: final_chunks(
+            decided[t.name], tensor_chunks(by_name[t.name], decided[t.name].contract_type, ckpt.read), log), overwrite)
     log(f"wrote {out}")
     return plan.ledger

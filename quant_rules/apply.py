@@ -1,7 +1,12 @@
-"""Glue between the converter's plan and the rules: typed tensors in, final-type bytes out."""
+"""Glue between the converter's plan and the rules: planned outputs in, final-type bytes out.
+
+The converter's plan gives each output tensor its contract type (`gguf_arch.convert.output_type`)
+and the transforms produce its bytes at that type; the rules then pick the final type and
+`final_chunks` re-encodes when the two differ.
+"""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 from gguf import GGMLQuantizationType as Q
 
@@ -11,12 +16,19 @@ from gguf_arch.writer import OutputTensor
 from .quantize import ErrorMeter, reencode
 from .rules import Decision, QuantOptions, Resolution, TypedTensor, resolve_types, type_name
 
+if TYPE_CHECKING:  # gguf_arch.convert imports this module
+    from gguf_arch.convert import PlannedOutput
 
-def typed_tensors(outputs: Iterable[OutputTensor], first_source: Mapping[str, str],
-                  metas: Mapping[str, TensorMeta]) -> list[TypedTensor]:
-    """Planned outputs at their contract types; `first_source` maps a GGUF name to its first HF source."""
-    return [TypedTensor(o.name, o.shape, "MXFP4" if o.ggml_type == Q.MXFP4 else metas[first_source[o.name]].dtype,
-                        o.ggml_type) for o in outputs]
+
+def typed_tensor(p: "PlannedOutput", metas: Mapping[str, TensorMeta]) -> TypedTensor:
+    o = p.output
+    source = "MXFP4" if o.ggml_type == Q.MXFP4 else metas[p.tensor.sources[0][0]].dtype
+    return TypedTensor(o.name, o.shape, source, o.ggml_type)
+
+
+def resolve_plan(outputs: Iterable["PlannedOutput"], metas: Mapping[str, TensorMeta],
+                 options: QuantOptions) -> Resolution:
+    return resolve_types((typed_tensor(p, metas) for p in outputs), options)
 
 
 def final_outputs(resolution: Resolution) -> tuple[OutputTensor, ...]:
@@ -34,8 +46,3 @@ def final_chunks(d: Decision, contract_chunks: Iterable[memoryview],
     if meter is not None:
         log(f"{d.name}: requantized {type_name(d.contract_type)} -> {type_name(d.final_type)}, "
             f"relative error ||w'-w||/||w|| = {meter.relative:.3%}")
-
-
-def resolve_outputs(outputs: Sequence[OutputTensor], first_source: Mapping[str, str],
-                    metas: Mapping[str, TensorMeta], options: QuantOptions) -> Resolution:
-    return resolve_types(typed_tensors(outputs, first_source, metas), options)

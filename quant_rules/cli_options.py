@@ -8,14 +8,20 @@ in addition `#` starts a comment (llama-quantize has no comments: the exported f
 from __future__ import annotations
 
 import argparse
+import json
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable
 
 from gguf import GGMLQuantizationType as Q
 
-from gguf_arch.errors import OutputError
+from gguf_arch.config import K3Config, load_config, text_section
+from gguf_arch.convert import plan_conversion
+from gguf_arch.errors import ConfigError, OutputError
+from gguf_arch.safetensors_index import TensorMeta, open_checkpoint, read_weight_map
+from gguf_arch.tensors import plan_tensors
 
+from .apply import resolve_plan
 from .rules import (EXPERT_TYPES, OUTTYPES, WRITABLE_TYPES, QuantOptions, QuantRuleError,
                     Resolution, TensorTypeRule, parse_tensor_type, parse_type, type_name)
 
@@ -157,3 +163,45 @@ def write_quantize_rules(path: Path, resolution: Resolution) -> None:
         path.write_text("".join(line + "\n" for line in quantize_rules_lines(resolution)), encoding="utf-8")
     except OSError as exc:
         raise OutputError(f"{path}: cannot write the llama-quantize rules: {exc.strerror or exc}") from None
+
+
+# config.json `dtype` / `torch_dtype` -> safetensors dtype, for listing types without shards.
+_DECLARED_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _declared_dtype(model_dir: Path) -> str:
+    path = model_dir / "config.json"
+    text = text_section(json.loads(path.read_text(encoding="utf-8")))
+    declared = text.get("dtype", text.get("torch_dtype"))
+    if declared not in _DECLARED_DTYPES:
+        raise ConfigError(f"{path}: text_config.dtype is {declared!r}; without the shards the source types are "
+                          f"taken from it, so it must be one of {', '.join(_DECLARED_DTYPES)}")
+    return _DECLARED_DTYPES[declared]
+
+
+def _declared_metas(model_dir: Path, cfg: K3Config, dtype: str) -> dict[str, TensorMeta]:
+    """Index names with the shapes the config implies and the config's declared dtype (U8 for MXFP4)."""
+    expected: dict[str, TensorMeta] = {}
+    for pt in plan_tensors(cfg):
+        for i, (name, shape) in enumerate(pt.sources):
+            allowed = pt.spec.sources[i % len(pt.spec.sources)].dtypes
+            expected[name] = TensorMeta(dtype if dtype in allowed else min(allowed), shape)
+    return {name: expected.get(name, TensorMeta(dtype, ())) for name in read_weight_map(model_dir)}
+
+
+def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True) -> tuple[Resolution, str]:
+    """The types a conversion would write, without converting: from the shard headers when the shards
+    are there, else from config.json and the index alone (source dtypes as config.json declares)."""
+    cfg = load_config(model_dir)
+    shards = set(read_weight_map(model_dir).values())
+    if any((model_dir / s).is_file() for s in shards):
+        with open_checkpoint(model_dir) as ckpt:
+            metas = ckpt.metas
+        source = "source types from the shard headers"
+    else:
+        dtype = _declared_dtype(model_dir)
+        metas = _declared_metas(model_dir, cfg, dtype)
+        source = (f"source types as config.json declares them ({dtype.lower()}; routed experts mxfp4): "
+                  "no shard present")
+    plan = plan_conversion(cfg, metas, dsa=dsa)
+    return resolve_plan(plan.outputs, metas, options), source
