@@ -1,0 +1,119 @@
+"""The per-call graph context every block builder receives (conventions: notes/graph-interface.md).
+
+A `GraphBuild` bundles the ggml context and graph being built with what one `eval` call knows:
+how many tokens, how many are already cached, the causal mask, the exact/fast switch, the DSA
+settings, which extra outputs were asked for. Builders add nodes through it; the model then
+allocates the graph once (ggml-alloc), uploads `inputs`, computes and reads `records`.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Iterable
+
+import ggml
+import numpy as np
+
+from gguf_arch.config import K3Config
+
+F32 = ggml.GGML_TYPE_F32
+F16 = ggml.GGML_TYPE_F16
+I32 = ggml.GGML_TYPE_I32
+
+_NUMPY_OF = {F32: np.float32, F16: np.float16, I32: np.int32}
+
+
+def new_tensor(ctx, ggml_type: int, ne: tuple[int, ...]):
+    return ggml.ggml_new_tensor(ctx, ggml_type, len(ne), (ctypes.c_int64 * len(ne))(*ne))
+
+
+def ne_of(t) -> tuple[int, ...]:
+    return tuple(t.contents.ne[: max(1, ggml.ggml_n_dims(t))])
+
+
+def causal_mask(n_past: int, n_tokens: int) -> np.ndarray:
+    """[n_tokens, n_kv] with 0 where key s <= the query's position n_past + t, -inf elsewhere."""
+    n_kv = n_past + n_tokens
+    visible = np.arange(n_kv)[None, :] <= (n_past + np.arange(n_tokens))[:, None]
+    return np.where(visible, 0.0, -np.inf).astype(np.float32)
+
+
+class GraphBuild:
+    """One graph under construction; see notes/graph-interface.md for the contract."""
+
+    def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
+                 top_k: int | None, wants: Iterable[str] = ()):
+        self.ctx = ctx
+        self.gf = gf
+        self.cfg = cfg
+        self.cache = cache
+        self.n_tokens = n_tokens
+        self.n_past = cache.n_past
+        self.n_kv = self.n_past + n_tokens
+        self.exact = exact
+        self._top_k = top_k
+        self._wants = frozenset(wants)
+        self.inputs: list[tuple[Any, np.ndarray]] = []
+        self.records: dict[tuple[str, int], Any] = {}
+        self.kq_mask = self.input("kq_mask", F32, (self.n_kv, n_tokens), causal_mask(self.n_past, n_tokens))
+        self.pos = self.input("pos", I32, (n_tokens,), np.arange(self.n_past, self.n_kv, dtype=np.int32))
+
+    # ---- inputs and outputs ------------------------------------------------------------------
+    def input(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
+        """A graph input whose data (numpy, C order = ne reversed) is uploaded before compute."""
+        value = np.ascontiguousarray(value, dtype=_NUMPY_OF[ggml_type])
+        if value.shape != tuple(reversed(ne)):
+            raise ValueError(f"input {name}: value shape {value.shape} does not match ne {ne}")
+        t = new_tensor(self.ctx, ggml_type, ne)
+        ggml.ggml_set_name(t, name.encode())
+        ggml.ggml_set_input(t)
+        self.inputs.append((t, value))
+        return t
+
+    def wants(self, what: str) -> bool:
+        return what in self._wants
+
+    def record(self, what: str, layer: int, t) -> None:
+        """Keep `t` as an extra output (kept alive by the allocator, read after compute)."""
+        if not ggml.ggml_is_contiguous(t):
+            t = ggml.ggml_cont(self.ctx, t)
+        ggml.ggml_set_output(t)
+        ggml.ggml_build_forward_expand(self.gf, t)
+        self.records[(what, layer)] = t
+
+    # ---- persistent state --------------------------------------------------------------------
+    def store(self, cache_tensor, src):
+        """Write src [row, n_tokens] into rows n_past.. of cache_tensor [row, n_ctx]; view rows 0..n_kv."""
+        c = cache_tensor.contents
+        row_bytes = c.nb[1]
+        dst = ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], self.n_tokens, row_bytes, self.n_past * row_bytes)
+        ggml.ggml_build_forward_expand(self.gf, ggml.ggml_cpy(self.ctx, src, dst))
+        return ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], self.n_kv, row_bytes, 0)
+
+    def overwrite(self, state_tensor, src) -> None:
+        """Replace a whole persistent state (same element count) with src at the end of its use."""
+        dst = ggml.ggml_view_1d(self.ctx, state_tensor, ggml.ggml_nelements(state_tensor), 0)
+        src = ggml.ggml_cont(self.ctx, src) if not ggml.ggml_is_contiguous(src) else src
+        flat = ggml.ggml_reshape_1d(self.ctx, src, ggml.ggml_nelements(src))
+        ggml.ggml_build_forward_expand(self.gf, ggml.ggml_cpy(self.ctx, flat, dst))
+
+    # ---- DSA ---------------------------------------------------------------------------------
+    def dsa_top_k(self, layer: int) -> int | None:
+        """The top-k of a DSA layer when DSA runs, else None (dense MLA)."""
+        return self._top_k if self._top_k is not None and self.cfg.is_dsa(layer) else None
+
+    # ---- shared numerics ---------------------------------------------------------------------
+    def mm(self, w, x):
+        """w x for a weight of any type; on the exact path the activations stay F32.
+
+        ggml's CPU matmul converts the activations to the weight's vec_dot type first (BF16
+        for BF16 weights, Q8 for quantized ones), which moves the result by ~0.2%. The exact
+        path therefore casts a non-F32 weight to F32 inside the graph (ggml-alloc reuses that
+        scratch memory across layers).
+        """
+        if self.exact and w.contents.type != F32:
+            w = ggml.ggml_cast(self.ctx, w, F32)
+        return ggml.ggml_mul_mat(self.ctx, w, x)
+
+    def rms_norm(self, x, weight, eps: float):
+        """weight * x / sqrt(mean(x^2) + eps), over ne0."""
+        return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, eps), weight)

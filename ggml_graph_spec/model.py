@@ -1,0 +1,245 @@
+"""Kimi K3 / K3.1-Pro forward pass on a ggml graph: the API the runner and the tests use.
+
+    m = Model.load("k3.gguf", n_ctx=4096, exact_experts=False, dsa=True, top_k=None)
+    logits = m.eval(tokens)          # [n_tokens, vocab], appended to the sequence's caches
+    m.reset()
+
+Each call builds the graph for its token count (the weights are never touched: they stay in the
+memory-mapped file), places it with one ggml-alloc allocator that keeps its buffer from call to
+call (it only grows when a call needs more), and computes it on the CPU backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import ggml
+import numpy as np
+
+from gguf_arch.errors import KimiError
+
+from .blocks import ResidualBank, attn_res, build_dense_ffn, build_kda, build_moe
+from .cache import SequenceCache
+from .graph import F32, I32, GraphBuild, ne_of
+from .loader import GGUFWeights, load_gguf
+from .mla import build_mla
+
+WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe"})
+_NUMPY_OF = {F32: np.float32, I32: np.int32}
+
+
+class EvalError(KimiError):
+    """A request the loaded model cannot serve (token ids, context length, options)."""
+
+
+@dataclass
+class EvalResult:
+    """One call's outputs; everything but `logits` only when asked for with `want`."""
+
+    logits: np.ndarray  # [n_tokens, vocab]
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, n_embd]
+    index_selected: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k]
+    index_scores: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, n_kv]
+    moe_experts: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], ascending
+    moe_weights: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], same order
+
+
+def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
+    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head (D.4, D.7)."""
+    cfg, c = g.cfg, g.ctx
+    t = weights.tensors
+    p = ggml.ggml_get_rows(c, t["token_embd.weight"], tokens)  # [n_embd, T]; F32 for any type
+    bank = ResidualBank()
+    for l in range(cfg.num_layers):
+        w = weights.layer(l)
+        x = p if len(bank) == 0 else attn_res(g, p, bank, w("attn_res_score.weight"))
+        if l % cfg.attn_res_block_size == 0:
+            bank.push(g, p)  # bank the raw incoming partial sum; the block restarts
+            p = None
+        h = g.rms_norm(x, w("attn_norm.weight"), cfg.rms_norm_eps)
+        a = build_kda(g, w, h) if cfg.is_kda(l) else build_mla(g, w, h)
+        p = a if p is None else ggml.ggml_add(c, p, a)
+        y = attn_res(g, p, bank, w("ffn_res_score.weight"))
+        h = g.rms_norm(y, w("ffn_norm.weight"), cfg.rms_norm_eps)
+        f = build_moe(g, w, h) if cfg.is_moe(l) else build_dense_ffn(g, w, h)
+        p = ggml.ggml_add(c, p, f)
+        if g.wants("hidden"):
+            g.record("hidden", l, p)
+    out = attn_res(g, p, bank, t["output_res_score.weight"])
+    out = g.rms_norm(out, t["output_norm.weight"], cfg.rms_norm_eps)
+    return g.mm(t["output.weight"], out)  # [vocab, T]
+
+
+def _graph_size(cfg) -> int:
+    """Node budget: generous per layer (AttnRes grows with the bank, MoE with the expert count)."""
+    n_blocks = cfg.num_layers // cfg.attn_res_block_size + 2
+    return 1024 + cfg.num_layers * (256 + 8 * cfg.num_experts_used + 16 * n_blocks)
+
+
+def _read(t) -> np.ndarray:
+    ne = ne_of(t)
+    out = np.empty(tuple(reversed(ne)), dtype=_NUMPY_OF[t.contents.type])
+    ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+    return out
+
+
+def _fixture_selection(sel: np.ndarray, n_past: int, width: int) -> np.ndarray:
+    """Rows of selected positions -> visible ones only, ascending, padded with -1 to `width`."""
+    out = np.full((sel.shape[0], width), -1, dtype=np.int32)
+    for t, row in enumerate(sel):
+        kept = np.sort(row[row <= n_past + t])
+        out[t, :len(kept)] = kept
+    return out
+
+
+class Model:
+    """A loaded GGUF plus one sequence's caches. Not thread-safe; one sequence at a time."""
+
+    def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
+                 top_k: int | None, n_threads: int):
+        self.weights = weights
+        self.cfg = weights.cfg
+        self.exact = exact
+        self.dsa = dsa
+        self._backend = ggml.ggml_backend_cpu_init()
+        ggml.ggml_backend_cpu_set_n_threads(self._backend, n_threads)
+        self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
+        self.cache = SequenceCache(self.cfg, self._backend, n_ctx=n_ctx, exact=exact,
+                                   with_indexer=dsa and self.cfg.indexer is not None)
+        self._graph_size = _graph_size(self.cfg)
+        self._top_k: int | None = None
+        self.top_k = top_k
+
+    @classmethod
+    def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
+             top_k: int | None = None, n_threads: int | None = None) -> "Model":
+        """Open and validate a kimi-k3 GGUF.
+
+        exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
+        F32 activations in every matmul), which matches Moonshot's reference to fp32 noise; the
+        default fast path runs the MXFP4 experts as llama.cpp does. dsa: run the indexer of a
+        K3.1-Pro GGUF (False: dense MLA). top_k: override the GGUF's indexer top-k.
+        """
+        weights = load_gguf(path)
+        if not 1 <= n_ctx <= weights.cfg.context_length:
+            weights.close()
+            raise EvalError(f"{path}: n_ctx must be in 1..{weights.cfg.context_length}, got {n_ctx}")
+        try:
+            return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
+                       n_threads=n_threads or os.cpu_count() or 1)
+        except EvalError:
+            weights.close()
+            raise
+
+    # ---- settings ----------------------------------------------------------------------------
+    @property
+    def top_k(self) -> int | None:
+        """The indexer top-k in use (None: DSA off or a plain K3 GGUF)."""
+        if not self.dsa or self.cfg.indexer is None:
+            return None
+        return self._top_k if self._top_k is not None else self.cfg.indexer.top_k
+
+    @top_k.setter
+    def top_k(self, value: int | None) -> None:
+        if value is not None:
+            if self.cfg.indexer is None:
+                raise EvalError(f"{self.weights.path}: top_k given, but the GGUF has no DSA indexer")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EvalError(f"top_k must be an integer >= 1, got {value!r}")
+        self._top_k = value
+
+    @property
+    def n_past(self) -> int:
+        return self.cache.n_past
+
+    @property
+    def n_ctx(self) -> int:
+        return self.cache.n_ctx
+
+    # ---- running -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def eval(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits [n_tokens, vocab] for `tokens`, which are appended to the sequence."""
+        return self.run(tokens).logits
+
+    def run(self, tokens: Sequence[int], want: Iterable[str] = ()) -> EvalResult:
+        """Like eval, with extra outputs: any of "hidden", "index_selected", "index_scores", "moe"."""
+        want = frozenset(want)
+        ids = self._check_tokens(tokens, want)
+        ctx = ggml.ggml_init(ggml.ggml_init_params(
+            mem_size=ggml.ggml_tensor_overhead() * self._graph_size * 2
+            + ggml.ggml_graph_overhead_custom(self._graph_size, False),
+            mem_buffer=None, no_alloc=True))
+        try:
+            gf = ggml.ggml_new_graph_custom(ctx, self._graph_size, False)
+            g = GraphBuild(ctx, gf, self.cfg, self.cache, n_tokens=len(ids), exact=self.exact,
+                           top_k=self.top_k, wants=want)
+            tokens_t = g.input("tokens", I32, (len(ids),), ids)
+            logits = build_forward(g, self.weights, tokens_t)
+            ggml.ggml_set_output(logits)
+            ggml.ggml_build_forward_expand(gf, logits)
+            self._compute(g)
+            result = self._collect(g, logits)
+        finally:
+            ggml.ggml_free(ctx)
+        self.cache.n_past += len(ids)
+        return result
+
+    def _check_tokens(self, tokens: Sequence[int], want: frozenset) -> np.ndarray:
+        unknown = sorted(want - WANTS)
+        if unknown:
+            raise EvalError(f"unknown output(s) {unknown}; available: {sorted(WANTS)}")
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise EvalError("no tokens to evaluate")
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.size:
+            raise EvalError(f"token id {int(bad[0])} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        if self.n_past + ids.size > self.n_ctx:
+            raise EvalError(f"context full: {self.n_past} cached + {ids.size} new tokens > n_ctx {self.n_ctx}")
+        return ids.astype(np.int32)
+
+    def _compute(self, g: GraphBuild) -> None:
+        if not ggml.ggml_gallocr_alloc_graph(self._galloc, g.gf):
+            raise MemoryError("ggml-alloc could not allocate the compute graph")
+        for t, value in g.inputs:
+            if not t.contents.buffer:  # an input no node reads is not allocated
+                continue
+            ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
+        status = ggml.ggml_backend_graph_compute(self._backend, g.gf)
+        if status != ggml.GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    def _collect(self, g: GraphBuild, logits) -> EvalResult:
+        r = EvalResult(_read(logits))
+        for (what, layer), t in g.records.items():
+            a = _read(t)
+            if what == "hidden":
+                r.hidden[layer] = a
+            elif what == "index_scores":
+                r.index_scores[layer] = a
+            elif what == "index_selected":
+                r.index_selected[layer] = _fixture_selection(a, g.n_past, a.shape[-1])
+            elif what == "moe_experts":
+                r.moe_experts[layer] = a
+            elif what == "moe_weights":
+                r.moe_weights[layer] = a.reshape(g.n_tokens, -1)
+        for layer, experts in r.moe_experts.items():  # report in ascending expert id, as the fixture
+            order = np.argsort(experts, axis=1, kind="stable")
+            r.moe_experts[layer] = np.take_along_axis(experts, order, 1)
+            r.moe_weights[layer] = np.take_along_axis(r.moe_weights[layer], order, 1)
+        return r
+
+    def close(self) -> None:
+        """Free the graph allocator, the caches and the weights' ggml objects."""
+        if self._galloc is not None:
+            ggml.ggml_gallocr_free(self._galloc)
+            self._galloc = None
+        self.cache.free()
+        ggml.ggml_backend_free(self._backend)
+        self.weights.close()
