@@ -140,6 +140,7 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
     cfg = load_config(model_dir)
     with open_checkpoint(model_dir) as ckpt:
         plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
+        kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
         log(plan.ledger.summary())
         if cfg.indexer is not None and not dsa:
             log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
@@ -147,7 +148,7 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
         types = resolve_plan(plan.outputs, ckpt.metas, quant)
         for line in types.log:
             log(line)
-        layout = GGUFLayout(ARCH, tuple(gguf_metadata(plan.cfg, model_dir)), final_outputs(types))
+        layout = GGUFLayout(ARCH, kv, final_outputs(types))
         by_name = {p.output.name: p.tensor for p in plan.outputs}
         decided = {d.name: d for d in types.decisions}
         write_gguf(out, layout, lambda t: final_chunks(
