@@ -9,7 +9,8 @@ import pytest
 from gguf_arch.config import load_config
 from ggml_graph_spec import mla
 from tests.ggml_graph_spec import attn_reference as ref
-from tests.ggml_graph_spec.attn_graph import AttnGraph, causal_mask
+from ggml_graph_spec.graph import causal_mask
+from tests.ggml_graph_spec.attn_graph import AttnGraph
 
 FIXTURE = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "k31pro-tiny"
 N_CTX = 16
