@@ -23,7 +23,7 @@ from gguf_arch.errors import KimiError
 
 from .blocks import ResidualBank, attn_res, build_dense_ffn, build_kda, build_moe
 from .cache import SequenceCache
-from .graph import F32, I32, GraphBuild, ne_of
+from .graph import F32, I32, GraphBuild
 from .loader import GGUFWeights, load_gguf
 from .mla import build_mla
 
@@ -80,8 +80,8 @@ def _graph_size(cfg) -> int:
 
 
 def _read(t) -> np.ndarray:
-    ne = ne_of(t)
-    out = np.empty(tuple(reversed(ne)), dtype=_NUMPY_OF[t.contents.type])
+    """A contiguous output as [rows, ne0]: every output here is [width, n_tokens] (T = 1 included)."""
+    out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=_NUMPY_OF[t.contents.type])
     ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
     return out
 
