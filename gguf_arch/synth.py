@@ -25,12 +25,11 @@ from .errors import EXIT_INTERRUPTED, EXIT_RUNTIME, KimiError, OutputError
 from .safetensors_write import StreamedTensor, write_safetensors
 from .synth_config import DIMENSIONS, PRESETS, VARIANTS, build_config, vision_shapes
 from .synth_tokenizer import ranks_for_vocab, write_tokenizer
-from .synth_weights import Init, init_for, tensor_chunks
+from .synth_weights import Init, default_init, init_for, tensor_chunks
 from .tensors import plan_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_METADATA = {"format": "pt"}
-_VISION_INIT = Init("proj")  # skipped by the converter; any finite values do
 
 
 def shard_name(index: int, count: int) -> str:
@@ -88,7 +87,7 @@ def plan_checkpoint(dims: dict[str, int], variant: str, seed: int) -> Checkpoint
         groups[n if layer is None else layer].append(tensor)
     projector, tower = vision_shapes(config["vision_config"])
     for group, shapes in ((groups[n + 1], projector), (groups[n + 2], tower)):
-        group.extend(_streamed(seed, name, shape, _VISION_INIT, cfg) for name, shape in shapes.items())
+        group.extend(_streamed(seed, name, shape, default_init(shape), cfg) for name, shape in shapes.items())
     shards = tuple(Shard(shard_name(i + 1, len(groups)), tuple(g)) for i, g in enumerate(groups))
     return CheckpointPlan(config, cfg, shards, ranks_for_vocab(cfg.vocab_size))
 

@@ -45,13 +45,13 @@ ROW_INIT: dict[str, Init] = {
     "output.weight": Init("proj", 3.0),
     "blk.{l}.attn_output.weight": Init("proj", 0.6),
     "blk.{l}.ssm_f_b.weight": Init("proj", 0.8),
-    "blk.{l}.ssm_dt.bias": Init("bias", 0.4, "F32"),
+    "blk.{l}.ssm_dt.bias": Init("bias", 0.45, "F32"),
     "blk.{l}.ssm_norm.weight": Init("gain", 0.1, "F32"),
     "blk.{l}.indexer.k_norm.weight": Init("gain", 0.2),
     "blk.{l}.ffn_gate.weight": Init("proj", 1.5),
     "blk.{l}.ffn_up.weight": Init("proj", 1.5),
     "blk.{l}.ffn_gate_inp.weight": Init("proj", 2.0),
-    "blk.{l}.exp_probs_b.bias": Init("bias", 0.1, "F32"),
+    "blk.{l}.exp_probs_b.bias": Init("bias", 0.15, "F32"),
     "blk.{l}.ffn_routed_down.weight": Init("proj", 1.5),
     "blk.{l}.ffn_routed_up.weight": Init("proj", 0.7),
     "blk.{l}.ffn_gate_shexp.weight": Init("proj", 1.5),
@@ -65,7 +65,8 @@ _TRANSFORM_INIT = {
 _RES_PROJ = Init("proj", 0.5)  # AttnRes pseudo-query [1, hidden]
 _NORM = Init("gain", 0.1)
 _PROJ = Init("proj")
-_A_LOG_RANGE = (0.05, 0.3)  # non-zero per-head log-scales; the padding after them is exactly 0
+# Per-head log-scales of either sign, bounded away from 0 (the padding after them is exactly 0).
+_A_LOG_MAGNITUDE = (0.02, 0.8)
 
 
 def init_for(spec: TensorSpec, source_index: int, shape: tuple[int, ...]) -> Init:
@@ -76,7 +77,12 @@ def init_for(spec: TensorSpec, source_index: int, shape: tuple[int, ...]) -> Ini
         return _TRANSFORM_INIT[spec.transform]
     if spec.transform == "res_score":
         return _NORM if len(shape) == 1 else _RES_PROJ
-    return ROW_INIT.get(spec.gguf, _NORM if len(shape) == 1 else _PROJ)
+    return ROW_INIT.get(spec.gguf, default_init(shape))
+
+
+def default_init(shape: tuple[int, ...]) -> Init:
+    """A bf16 norm gain for a vector, a bf16 projection otherwise."""
+    return _NORM if len(shape) == 1 else _PROJ
 
 
 def tensor_rng(seed: int, name: str) -> np.random.Generator:
@@ -102,7 +108,8 @@ def _floats(init: Init, shape: tuple[int, ...], n: int, cfg: K3Config, rng: np.r
     if init.kind == "a_log":
         out = np.zeros(n, np.float32)
         heads = cfg.kda.num_heads
-        out[:heads] = rng.uniform(*_A_LOG_RANGE, heads)
+        signs = rng.choice(np.array([-1.0, 1.0], np.float32), heads)
+        out[:heads] = signs * rng.uniform(*_A_LOG_MAGNITUDE, heads)
         return out
     z = rng.standard_normal(n, dtype=np.float32)
     if init.kind == "proj":
