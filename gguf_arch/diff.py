@@ -20,6 +20,7 @@ Exit codes follow cmp(1): 0 every tensor matches, 1 a difference, 2 bad input (e
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -87,7 +88,7 @@ class _Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._shard_of
 
-    def get(self, name: str, shape: tuple[int, ...]) -> _Source:
+    def get(self, name: str, shape: tuple[int, ...], dtypes: Iterable[str]) -> _Source:
         if name not in self._shard_of:
             raise CheckpointError(f"{self.dir}: tensor {name} is not in the checkpoint")
         shard = self._shard_of[name]
@@ -97,8 +98,8 @@ class _Checkpoint:
         if not isinstance(info, dict):
             raise CheckpointError(f"{where} is not in the shard's header")
         dtype, got_shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _ST_DTYPES:
-            raise CheckpointError(f"{where} has dtype {dtype!r}, expected one of {sorted(_ST_DTYPES)}")
+        if dtype not in dtypes or dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{where} has dtype {dtype!r}, expected one of {sorted(dtypes)}")
         if not isinstance(got_shape, list) or tuple(got_shape) != shape:
             raise CheckpointError(f"{where} has shape {got_shape}, the config implies {list(shape)}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[dtype].itemsize
@@ -188,7 +189,7 @@ def _kv_b_v(cfg: K3Config, plan: PlannedTensor, src: list[_Source]) -> Iterator[
 
 
 # compressed-tensors FP4 E2M1 by nibble; bit 3 is the sign (k3-spec C.2).
-_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 _E8M0_NAN = 255
 
 
@@ -196,15 +197,15 @@ def decode_compressed_mxfp4(packed: np.ndarray, scale: np.ndarray, group: int = 
     """compressed-tensors `weight_packed` [rows, cols/2] + `weight_scale` [rows, cols/group] -> float32.
 
     Element 2i is the low nibble of byte i, 2i+1 the high one; w = E2M1[code] * 2^(scale - 127).
+    Both factors and their product are exact in float32 (a power of two times a 3-bit value).
     """
-    rows = packed.shape[0]
+    rows, n_groups = scale.shape
     codes = np.empty((rows, packed.shape[1] * 2), dtype=np.uint8)
     codes[:, 0::2] = packed & 0x0F
     codes[:, 1::2] = packed >> 4
-    exponent = np.repeat(scale.astype(np.int32) - 127, group, axis=1)
-    values = np.ldexp(_E2M1[codes], exponent)
-    values[np.repeat(scale == _E8M0_NAN, group, axis=1)] = np.nan
-    return values.astype(np.float32)
+    factor = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32)
+    factor[scale == _E8M0_NAN] = np.nan
+    return (_E2M1[codes].reshape(rows, n_groups, group) * factor[:, :, None]).reshape(rows, -1)
 
 
 def _mxfp4_experts(cfg: K3Config, plan: PlannedTensor, src: list[_Source]) -> Iterator[_Chunk]:
@@ -285,7 +286,7 @@ class Mismatch:
     def describe(self) -> str:
         where = f"{self.unit}: " if self.unit else ""
         return (f"{where}first mismatch at {list(self.coords)} (flat {self.flat}): "
-                f"expected {str(np.float32(self.expected))}, found {str(np.float32(self.found))}")
+                f"expected {np.float32(self.expected)!s}, found {np.float32(self.found)!s}")
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,7 @@ class TensorDiff:
     status: str
     detail: str = ""
     gguf_type: str | None = None
+    table_type: str | None = None  # the type the table gives it unquantized
     mismatches: tuple[Mismatch, ...] = ()
 
     @property
@@ -394,12 +396,21 @@ def _type_problem(plan: PlannedTensor, qtype: Q, want: Q) -> str | None:
     return None
 
 
+def read_sources(ckpt: _Checkpoint, plan: PlannedTensor) -> list[_Source]:
+    """The plan's sources (per expert: the table's source rows again), checked against the table."""
+    specs = itertools.cycle(plan.spec.sources)
+    return [ckpt.get(name, shape, spec.dtypes) for (name, shape), spec in zip(plan.sources, specs)]
+
+
 def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor) -> TensorDiff:
     t = gguf.tensors[plan.name]
     qtype = Q(t.tensor_type)
-    sources = [ckpt.get(name, shape) for name, shape in plan.sources]
+    sources = read_sources(ckpt, plan)
     want = exact_type(plan, sources)
-    result = lambda status, detail, mm=(): TensorDiff(plan.name, plan.layer, status, detail, qtype.name, tuple(mm))  # noqa: E731
+
+    def result(status: str, detail: str, mismatches: Iterable[Mismatch] = ()) -> TensorDiff:
+        return TensorDiff(plan.name, plan.layer, status, detail, qtype.name, want.name, tuple(mismatches))
+
     found_shape = tuple(int(n) for n in reversed(t.shape))
     if found_shape != plan.shape:
         return result(SHAPE, f"GGUF shape {list(found_shape)} (numpy order), expected {list(plan.shape)}")
