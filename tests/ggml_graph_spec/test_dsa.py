@@ -92,27 +92,33 @@ def _masked(values: np.ndarray, n_past: int) -> np.ndarray:
     return (values + causal_mask(n_past, T)).astype(np.float32)
 
 
+# ggml's CPU sorts (std::sort) fall back to a stable insertion sort below 16 elements, so rows
+# must be longer than that for an unstable tie order to show at all.
+LONG_ROW = 40
+
+
 def test_ties_at_zero_go_to_the_lower_position(cfg, layer):
     """Rows of exact zeros (every head's q.k <= 0) and -0.0 == +0.0: the first positions win."""
-    values = np.zeros((4, 10), np.float32)
-    values[1, [3, 7]] = 2.0  # two clear winners, then ties among the zeros
-    values[2, 5] = -0.0
-    values[3, :] = np.array([0, -1, 0, 0.5, 0, -0.0, 0, 0, 1e-30, 0], np.float32)  # 1e-30 > 0
-    scores = _masked(values, 6)
-    got = _run_selection(scores, 6, 4, cfg, layer)
-    want = _reference_mask(scores, 6, 4)
-    assert np.array_equal(got, want)
+    n_past = LONG_ROW - 4
+    values = np.zeros((4, LONG_ROW), np.float32)
+    values[1, [30, 7]] = 2.0  # two clear winners, then ties among the zeros
+    values[2, ::3] = -0.0
+    values[3, [3, 20, 33]] = [0.5, -1.0, 1e-30]  # 1e-30 > 0
+    scores = _masked(values, n_past)
+    got = _run_selection(scores, n_past, 4, cfg, layer)
+    assert np.array_equal(got, _reference_mask(scores, n_past, 4))
     assert np.flatnonzero(got[0] == 0).tolist() == [0, 1, 2, 3]
-    assert np.flatnonzero(got[1] == 0).tolist() == [0, 1, 3, 7]
-    assert np.flatnonzero(got[3] == 0).tolist() == [0, 2, 3, 8]
+    assert np.flatnonzero(got[1] == 0).tolist() == [0, 1, 7, 30]
+    assert np.flatnonzero(got[2] == 0).tolist() == [0, 1, 2, 3]
+    assert np.flatnonzero(got[3] == 0).tolist() == [0, 1, 3, 33]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_selection_equals_stable_sort(cfg, layer, data):
     """Scores drawn from a handful of values (many exact ties), any top_k, prefill or decode."""
-    T = data.draw(st.integers(1, 6), label="T")
-    n_past = data.draw(st.integers(0, 6), label="n_past")
+    T = data.draw(st.integers(1, 4), label="T")
+    n_past = data.draw(st.integers(0, LONG_ROW), label="n_past")
     top_k = data.draw(st.integers(1, n_past + T + 2), label="top_k")
     pool = st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.25, 3.0])
     values = np.array(data.draw(st.lists(st.lists(pool, min_size=n_past + T, max_size=n_past + T),
