@@ -62,8 +62,9 @@ def top_k_mask(g, scores, k: int):
     sort, whatever it does with ties. The selection is then G = {s: score > v} (|G| < k) plus the
     first k - |G| positions of E = {s: score == v}, counted by a cumulative sum over positions.
     Each step is exact in F32: the sign of a difference of two finite floats is exact, and the
-    counts are integers below 2^24 (exact in F32 for any context up to 16M tokens). Rows with fewer visible keys than k have v = _FLOOR and select
-    every visible key (plus invisible ones, which the causal mask removes again).
+    counts are integers below 2^24 (any context up to 16M tokens). Rows with fewer visible keys
+    than k have v = _FLOOR and select every visible key (plus invisible ones, which the causal
+    mask removes again). NaN scores are outside the contract and are not handled.
     """
     ctx = g.ctx
     s = ggml.ggml_clamp(ctx, ggml.ggml_cont(ctx, scores), _FLOOR, -_FLOOR)  # clamp works in place
