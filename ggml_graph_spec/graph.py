@@ -8,7 +8,8 @@ allocates the graph once (ggml-alloc), uploads `inputs`, computes and reads `rec
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import ggml
 import numpy as np
@@ -24,10 +25,6 @@ _NUMPY_OF = {F32: np.float32, F16: np.float16, I32: np.int32}
 
 def new_tensor(ctx, ggml_type: int, ne: tuple[int, ...]):
     return ggml.ggml_new_tensor(ctx, ggml_type, len(ne), (ctypes.c_int64 * len(ne))(*ne))
-
-
-def ne_of(t) -> tuple[int, ...]:
-    return tuple(t.contents.ne[: max(1, ggml.ggml_n_dims(t))])
 
 
 def causal_mask(n_past: int, n_tokens: int) -> np.ndarray:
@@ -117,3 +114,55 @@ class GraphBuild:
     def rms_norm(self, x, weight, eps: float):
         """weight * x / sqrt(mean(x^2) + eps), over ne0."""
         return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, eps), weight)
+
+
+class Executor:
+    """The CPU backend and one ggml-alloc allocator, kept for the life of a model.
+
+    Each call's graph is placed by the same allocator: its buffer is reused from call to call
+    and only grows when a graph needs more (a prefill after token-by-token decode, say).
+    """
+
+    def __init__(self, n_threads: int):
+        self.backend = ggml.ggml_backend_cpu_init()
+        ggml.ggml_backend_cpu_set_n_threads(self.backend, n_threads)
+        self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
+
+    @contextmanager
+    def graph(self, n_nodes: int, make: Callable[[Any, Any], GraphBuild]) -> Iterator[GraphBuild]:
+        """A fresh no-alloc context and graph for one call; freed on exit."""
+        ctx = ggml.ggml_init(ggml.ggml_init_params(
+            mem_size=ggml.ggml_tensor_overhead() * n_nodes * 2 + ggml.ggml_graph_overhead_custom(n_nodes, False),
+            mem_buffer=None, no_alloc=True))
+        try:
+            yield make(ctx, ggml.ggml_new_graph_custom(ctx, n_nodes, False))
+        finally:
+            ggml.ggml_free(ctx)
+
+    def compute(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
+        """Allocate g's graph (outputs kept alive), upload its inputs, run it."""
+        for t in outputs:
+            ggml.ggml_set_output(t)
+            ggml.ggml_build_forward_expand(g.gf, t)
+        if not ggml.ggml_gallocr_alloc_graph(self._galloc, g.gf):
+            raise MemoryError("ggml-alloc could not allocate the compute graph")
+        for t, value in g.inputs:
+            if not t.contents.buffer:  # an input no node reads is not allocated
+                continue
+            ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
+        status = ggml.ggml_backend_graph_compute(self.backend, g.gf)
+        if status != ggml.GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    @staticmethod
+    def read(t) -> np.ndarray:
+        """A contiguous output as [rows, ne0]: every output here is [width, n_tokens] (T = 1 too)."""
+        out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=_NUMPY_OF[t.contents.type])
+        ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+        return out
+
+    def free(self) -> None:
+        if self._galloc is not None:
+            ggml.ggml_gallocr_free(self._galloc)
+            self._galloc = None
+            ggml.ggml_backend_free(self.backend)

@@ -10,9 +10,9 @@ call (it only grows when a call needs more), and computes it on the CPU backend.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -23,12 +23,11 @@ from gguf_arch.errors import KimiError
 
 from .blocks import ResidualBank, attn_res, build_dense_ffn, build_kda, build_moe
 from .cache import SequenceCache
-from .graph import F32, I32, GraphBuild
+from .graph import I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
 from .mla import build_mla
 
 WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe"})
-_NUMPY_OF = {F32: np.float32, I32: np.int32}
 
 
 class EvalError(KimiError):
@@ -79,13 +78,6 @@ def _graph_size(cfg) -> int:
     return 1024 + cfg.num_layers * (256 + 8 * cfg.num_experts_used + 16 * n_blocks)
 
 
-def _read(t) -> np.ndarray:
-    """A contiguous output as [rows, ne0]: every output here is [width, n_tokens] (T = 1 included)."""
-    out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=_NUMPY_OF[t.contents.type])
-    ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
-    return out
-
-
 def _fixture_selection(sel: np.ndarray, n_past: int, width: int) -> np.ndarray:
     """Rows of selected positions -> visible ones only, ascending, padded with -1 to `width`."""
     out = np.full((sel.shape[0], width), -1, dtype=np.int32)
@@ -104,10 +96,8 @@ class Model:
         self.cfg = weights.cfg
         self.exact = exact
         self.dsa = dsa
-        self._backend = ggml.ggml_backend_cpu_init()
-        ggml.ggml_backend_cpu_set_n_threads(self._backend, n_threads)
-        self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
-        self.cache = SequenceCache(self.cfg, self._backend, n_ctx=n_ctx, exact=exact,
+        self._exec = Executor(n_threads)
+        self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
                                    with_indexer=dsa and self.cfg.indexer is not None)
         self._graph_size = _graph_size(self.cfg)
         self._top_k: int | None = None
@@ -171,22 +161,12 @@ class Model:
         """Like eval, with extra outputs: any of "hidden", "index_selected", "index_scores", "moe"."""
         want = frozenset(want)
         ids = self._check_tokens(tokens, want)
-        ctx = ggml.ggml_init(ggml.ggml_init_params(
-            mem_size=ggml.ggml_tensor_overhead() * self._graph_size * 2
-            + ggml.ggml_graph_overhead_custom(self._graph_size, False),
-            mem_buffer=None, no_alloc=True))
-        try:
-            gf = ggml.ggml_new_graph_custom(ctx, self._graph_size, False)
-            g = GraphBuild(ctx, gf, self.cfg, self.cache, n_tokens=len(ids), exact=self.exact,
-                           top_k=self.top_k, wants=want)
-            tokens_t = g.input("tokens", I32, (len(ids),), ids)
-            logits = build_forward(g, self.weights, tokens_t)
-            ggml.ggml_set_output(logits)
-            ggml.ggml_build_forward_expand(gf, logits)
-            self._compute(g)
+        make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
+                       top_k=self.top_k, wants=want)
+        with self._exec.graph(self._graph_size, make) as g:
+            logits = build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))
+            self._exec.compute(g, [logits])
             result = self._collect(g, logits)
-        finally:
-            ggml.ggml_free(ctx)
         self.cache.n_past += len(ids)
         return result
 
@@ -204,21 +184,10 @@ class Model:
             raise EvalError(f"context full: {self.n_past} cached + {ids.size} new tokens > n_ctx {self.n_ctx}")
         return ids.astype(np.int32)
 
-    def _compute(self, g: GraphBuild) -> None:
-        if not ggml.ggml_gallocr_alloc_graph(self._galloc, g.gf):
-            raise MemoryError("ggml-alloc could not allocate the compute graph")
-        for t, value in g.inputs:
-            if not t.contents.buffer:  # an input no node reads is not allocated
-                continue
-            ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
-        status = ggml.ggml_backend_graph_compute(self._backend, g.gf)
-        if status != ggml.GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
-
     def _collect(self, g: GraphBuild, logits) -> EvalResult:
-        r = EvalResult(_read(logits))
+        r = EvalResult(self._exec.read(logits))
         for (what, layer), t in g.records.items():
-            a = _read(t)
+            a = self._exec.read(t)
             if what == "hidden":
                 r.hidden[layer] = a
             elif what == "index_scores":
@@ -237,9 +206,6 @@ class Model:
 
     def close(self) -> None:
         """Free the graph allocator, the caches and the weights' ggml objects."""
-        if self._galloc is not None:
-            ggml.ggml_gallocr_free(self._galloc)
-            self._galloc = None
         self.cache.free()
-        ggml.ggml_backend_free(self._backend)
+        self._exec.free()
         self.weights.close()

@@ -1,0 +1,176 @@
+"""The GGUF loader: config rebuilt from the keys, zero-copy tensors, one-line errors before ggml."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import ggml
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from gguf_arch import keys as K
+from gguf_arch.config import load_config
+from gguf_arch.errors import GGUFError
+from gguf_arch.tensors import plan_tensors
+from ggml_graph_spec.loader import load_gguf
+
+
+def _rewrite(src: Path, dst: Path, *, keys: dict[str, Any] | None = None,
+             tensors: dict[str, tuple[np.ndarray, Q] | None] | None = None,
+             extra: dict[str, np.ndarray] | None = None) -> Path:
+    """Copy src with metadata changes (value None: drop the key; (value, type) to set one) and
+    tensor changes (None: drop it; (data, type): replace it), keeping everything else."""
+    keys, tensors, extra = keys or {}, tensors or {}, extra or {}
+    reader = GGUFReader(src)
+    w = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in keys:
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub)
+    for name, change in keys.items():
+        if change is not None:
+            w.add_key_value(name, change[0], change[1], change[2] if len(change) > 2 else None)
+    for t in reader.tensors:
+        change = tensors.get(t.name, (t.data, t.tensor_type))
+        if change is not None:
+            w.add_tensor(t.name, np.ascontiguousarray(change[0]), raw_dtype=change[1])
+    for name, data in extra.items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("which", ["k3", "k31pro"])
+def test_config_is_rebuilt_from_the_keys(which, k3_tiny_gguf, k31pro_tiny_gguf, k3_tiny_dir, k31pro_tiny_dir):
+    gguf, model_dir = {"k3": (k3_tiny_gguf, k3_tiny_dir), "k31pro": (k31pro_tiny_gguf, k31pro_tiny_dir)}[which]
+    weights = load_gguf(gguf)
+    try:
+        want = load_config(model_dir)
+        got = weights.cfg
+        # The GGUF stores eps as f32; everything else round-trips exactly.
+        assert np.float32(got.rms_norm_eps) == np.float32(want.rms_norm_eps)
+        assert got == dataclasses.replace(want, rms_norm_eps=got.rms_norm_eps)
+        assert (got.indexer is not None) == (which == "k31pro")
+    finally:
+        weights.close()
+
+
+def test_tensors_point_into_the_mapped_file_without_copies(k31pro_tiny_gguf):
+    weights = load_gguf(k31pro_tiny_gguf)
+    try:
+        reader = GGUFReader(k31pro_tiny_gguf)
+        expected = {p.name for p in plan_tensors(weights.cfg)}
+        assert set(weights.tensors) == {t.name for t in reader.tensors} <= expected
+        mapped = weights._files[0].reader.data
+        lo, hi = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+        for t in reader.tensors:
+            gt = weights.tensors[t.name]
+            addr = ggml.ggml_get_data(gt)
+            assert lo <= addr and addr + t.n_bytes <= hi, t.name
+            assert addr - lo == t.data_offset, t.name
+            assert ggml.ggml_nbytes(gt) == t.n_bytes, t.name
+            got = np.frombuffer((ctypes.c_uint8 * t.n_bytes).from_address(addr), dtype=np.uint8)
+            assert np.array_equal(got, t.data.reshape(-1).view(np.uint8)), t.name
+    finally:
+        weights.close()
+
+
+def _one_line_error(path: Path, *fragments: str) -> str:
+    with pytest.raises(GGUFError) as e:
+        load_gguf(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for f in fragments:
+        assert f in msg, msg
+    return msg
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"not a gguf at all" * 10)
+    _one_line_error(bad, str(bad), "not a readable GGUF")
+    _one_line_error(tmp_path / "absent.gguf", "not found")
+
+
+def test_truncated_file(tmp_path, k3_tiny_gguf):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(k3_tiny_gguf.read_bytes()[:-4096])
+    _one_line_error(cut, str(cut))
+
+
+def test_wrong_architecture(tmp_path, k3_tiny_gguf):
+    out = tmp_path / "llama.gguf"
+    w = GGUFWriter(out, "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _one_line_error(out, "general.architecture is 'llama'", K.ARCH)
+
+
+def test_missing_key(tmp_path, k3_tiny_gguf):
+    key = f"{K.ARCH}.activation.situ_linear_beta"
+    _one_line_error(_rewrite(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: None}), "missing metadata key", key)
+
+
+def test_inconsistent_key(tmp_path, k3_tiny_gguf):
+    key = f"{K.ARCH}.attention.key_length"
+    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: (999, GGUFValueType.UINT32)})
+    _one_line_error(out, key, "999")
+
+
+def test_bad_layer_kinds(tmp_path, k3_tiny_gguf):
+    key = f"{K.ARCH}.attention.head_count_kv"
+    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: ([2] * 13, GGUFValueType.ARRAY, GGUFValueType.UINT32)})
+    _one_line_error(out, key, "0 (KDA) or 1 (MLA)")
+
+
+def test_partial_indexer_keys(tmp_path, k31pro_tiny_gguf):
+    out = _rewrite(k31pro_tiny_gguf, tmp_path / "x.gguf", keys={K.INDEXER_TOP_K: None})
+    _one_line_error(out, K.INDEXER_TOP_K, "together")
+
+
+def test_missing_tensor(tmp_path, k3_tiny_gguf):
+    name = "blk.5.ssm_beta.weight"
+    _one_line_error(_rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: None}), "missing tensor", name)
+
+
+def test_unexpected_tensor(tmp_path, k3_tiny_gguf):
+    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", extra={"blk.3.indexer.attn_k.weight": np.zeros((16, 64), np.float32)})
+    _one_line_error(out, "not in the kimi-k3 table", "blk.3.indexer.attn_k.weight")
+
+
+def test_wrong_shape(tmp_path, k3_tiny_gguf):
+    name = "blk.2.ssm_a"
+    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: (np.zeros(16, np.float32), Q.F32)})
+    _one_line_error(out, name, "ne [16]", "expected [4]")
+
+
+def test_wrong_type(tmp_path, k3_tiny_gguf):
+    name = "blk.1.ffn_gate_inp.weight"
+    data = next(t for t in GGUFReader(k3_tiny_gguf).tensors if t.name == name).data
+    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: (data.astype(np.float16), Q.F16)})
+    _one_line_error(out, name, "type F16", "expected F32")
+
+
+def test_quantized_trunk_types_are_accepted(tmp_path, k3_tiny_gguf):
+    """Matrices keep the source precision or any ggml block type (a trunk converted to Q8_0)."""
+    from gguf.quants import quantize
+
+    name = "blk.0.ffn_up.weight"
+    data = next(t for t in GGUFReader(k3_tiny_gguf).tensors if t.name == name)
+    f32 = data.data.view(np.uint16).astype(np.uint32) << 16  # BF16 -> F32 bits
+    q8 = quantize(f32.view(np.float32).reshape(data.data.shape[0], -1), Q.Q8_0)
+    weights = load_gguf(_rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: (q8, Q.Q8_0)}))
+    try:
+        assert weights.tensors[name].contents.type == Q.Q8_0
+    finally:
+        weights.close()
