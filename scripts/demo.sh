@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The README's main job: generate a tiny Kimi-K3.1-Pro checkpoint in the released on-disk format,
+# convert it to GGUF and inspect the result. Idempotent: every step replaces its previous output.
+#   bash scripts/demo.sh [OUT_DIR]     (default: out/ in the repository root)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+cd "$ROOT"
+
+OUT="${1:-out}"
+MODEL="$OUT/tiny-model"
+GGUF="$OUT/tiny.gguf"
+
+echo "== generate $MODEL (seeded random weights, tiny preset)"
+python -m gguf_arch.synth "$MODEL" --preset tiny --variant k31pro --overwrite
+
+echo "== convert to $GGUF"
+python convert_kimi_k3.py "$MODEL" "$GGUF" --overwrite
+
+echo "== inspect $GGUF"
+python - "$GGUF" <<'EOF'
+import sys
+from collections import Counter
+
+from gguf import GGUFReader
+
+from gguf_arch.keys import ARCH
+
+reader = GGUFReader(sys.argv[1])
+arch = reader.fields["general.architecture"].contents()
+types = Counter(t.tensor_type.name for t in reader.tensors)
+print(f"architecture: {arch}")
+print(f"tensors: {len(reader.tensors)} ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})")
+for name, field in reader.fields.items():
+    if name.startswith(f"{ARCH}.attention.indexer."):
+        print(f"{name} = {field.contents()}")
+indexer = [t for t in reader.tensors if ".indexer." in t.name]
+kinds = sorted({(t.name.split(".", 2)[2], t.tensor_type.name) for t in indexer})
+print(f"indexer tensors: {len(indexer)}: " + ", ".join(f"{n} {t}" for n, t in kinds))
+EOF
