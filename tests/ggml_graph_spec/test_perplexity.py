@@ -71,3 +71,41 @@ def test_too_short_text_is_bad_input():
 def test_token_nll_is_minus_log_softmax():
     logits = np.array([[0.0, math.log(3.0)]], np.float32)
     assert token_nll(logits, np.array([1]))[0] == pytest.approx(-math.log(0.75), rel=1e-6)
+
+
+# ---- on the K3.1-Pro fixture, through the graph ----------------------------------------------
+
+CHUNK = 32
+
+
+def _fixture_ppl(gguf, tokens: list[int], **model_kw) -> float:
+    from ggml_graph_spec.model import Model
+
+    m = Model.load(gguf, n_ctx=CHUNK, n_threads=2, **model_kw)
+    try:
+        def evaluate(chunk: list[int]) -> np.ndarray:
+            m.reset()
+            return m.eval(chunk)
+
+        return perplexity(tokens, CHUNK, evaluate, bos=None, n_chunks=2).ppl
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def long_prompt(k31pro_tiny_dir) -> list[int]:
+    return np.load(k31pro_tiny_dir / "reference.npz")["input_ids_long"].tolist()
+
+
+def test_dsa_with_top_k_covering_the_chunk_is_dense_attention(k31pro_tiny_gguf, long_prompt):
+    # Every query sees at most CHUNK keys, so top_k = CHUNK keeps them all: the selection mask is
+    # all zeros on the visible keys and the PPL must be the dense one, bit for bit.
+    dense = _fixture_ppl(k31pro_tiny_gguf, long_prompt, dsa=False)
+    assert _fixture_ppl(k31pro_tiny_gguf, long_prompt, dsa=True, top_k=CHUNK) == dense
+    assert _fixture_ppl(k31pro_tiny_gguf, long_prompt, dsa=True) == dense  # GGUF top_k 2048
+
+
+def test_dsa_with_a_small_top_k_changes_the_perplexity(k31pro_tiny_gguf, long_prompt):
+    dense = _fixture_ppl(k31pro_tiny_gguf, long_prompt, dsa=False)
+    sparse = _fixture_ppl(k31pro_tiny_gguf, long_prompt, dsa=True, top_k=4)
+    assert abs(sparse - dense) > 1e-3 * dense
