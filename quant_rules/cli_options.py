@@ -179,28 +179,31 @@ def _declared_dtype(model_dir: Path) -> str:
     return _DECLARED_DTYPES[declared]
 
 
-def _declared_metas(model_dir: Path, cfg: K3Config, dtype: str) -> dict[str, TensorMeta]:
+def _declared_metas(names: Iterable[str], cfg: K3Config, dtype: str) -> dict[str, TensorMeta]:
     """Index names with the shapes the config implies and the config's declared dtype (U8 for MXFP4)."""
+    shared: dict[tuple, TensorMeta] = {}  # 497k sources, a few hundred distinct metas
     expected: dict[str, TensorMeta] = {}
     for pt in plan_tensors(cfg):
+        dtypes = [dtype if dtype in s.dtypes else min(s.dtypes) for s in pt.spec.sources]
         for i, (name, shape) in enumerate(pt.sources):
-            allowed = pt.spec.sources[i % len(pt.spec.sources)].dtypes
-            expected[name] = TensorMeta(dtype if dtype in allowed else min(allowed), shape)
-    return {name: expected.get(name, TensorMeta(dtype, ())) for name in read_weight_map(model_dir)}
+            key = (dtypes[i % len(dtypes)], shape)
+            expected[name] = shared.get(key) or shared.setdefault(key, TensorMeta(*key))
+    unplanned = TensorMeta(dtype, ())
+    return {name: expected.get(name, unplanned) for name in names}
 
 
 def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True) -> tuple[Resolution, str]:
     """The types a conversion would write, without converting: from the shard headers when the shards
     are there, else from config.json and the index alone (source dtypes as config.json declares)."""
     cfg = load_config(model_dir)
-    shards = set(read_weight_map(model_dir).values())
-    if any((model_dir / s).is_file() for s in shards):
+    wmap = read_weight_map(model_dir)
+    if any((model_dir / s).is_file() for s in set(wmap.values())):
         with open_checkpoint(model_dir) as ckpt:
             metas = ckpt.metas
         source = "source types from the shard headers"
     else:
         dtype = _declared_dtype(model_dir)
-        metas = _declared_metas(model_dir, cfg, dtype)
+        metas = _declared_metas(wmap, cfg, dtype)
         source = (f"source types as config.json declares them ({dtype.lower()}; routed experts mxfp4): "
                   "no shard present")
     plan = plan_conversion(cfg, metas, dsa=dsa)
