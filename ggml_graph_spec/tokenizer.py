@@ -50,13 +50,17 @@ class BPETokenizer:
         for name, tid in (("bos", bos_id), ("eos", eos_id)):
             if tid is not None and not 0 <= tid < len(tokens):
                 raise GGUFError(f"tokenizer.ggml.{name}_token_id {tid} is outside the {len(tokens)} tokens")
+        if add_bos and bos_id is None:
+            raise GGUFError(f"{Keys.Tokenizer.ADD_BOS} is true but the GGUF has no {Keys.Tokenizer.BOS_ID}")
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self._pre = _PRE_TOKENIZERS[pre]
-        self._id_of = {text: i for i, text in enumerate(tokens)}
-        self._pair_rank = _pair_ranks(merges, self._id_of)
         self._bytes = [_token_bytes(i, t, k) for i, (t, k) in enumerate(zip(tokens, token_types))]
-        specials = sorted((t for t, k in zip(tokens, token_types) if k in _TEXT_TYPES), key=len, reverse=True)
-        self._special = regex.compile("|".join(map(regex.escape, specials))) if specials else None
+        # Two separate lookups, so a special token never stands in for text spelled the same way.
+        self._id_of = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k in _BYTE_FORM_TYPES}
+        self._special_id = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k in _TEXT_TYPES}
+        self._pair_rank = _pair_ranks(merges, self._id_of)
+        longest_first = sorted(self._special_id, key=len, reverse=True)
+        self._special = regex.compile("|".join(map(regex.escape, longest_first))) if longest_first else None
         self._encode_piece = functools.lru_cache(maxsize=_PIECE_CACHE_SIZE)(self._bpe)
 
     @classmethod
@@ -78,11 +82,14 @@ class BPETokenizer:
     def encode(self, text: str, *, add_bos: bool | None = None, allow_special: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text count as such when allowed.
         `add_bos` None follows the GGUF's `add_bos_token`."""
-        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None else []
+        want_bos = self.add_bos if add_bos is None else add_bos
+        if want_bos and self.bos_id is None:
+            raise GGUFError(f"cannot add a BOS token: the GGUF has no {Keys.Tokenizer.BOS_ID}")
+        ids = [self.bos_id] if want_bos else []
         pos = 0
         for match in (self._special.finditer(text) if allow_special and self._special else ()):
             ids += self._encode_ordinary(text[pos:match.start()])
-            ids.append(self._id_of[match.group()])
+            ids.append(self._special_id[match.group()])
             pos = match.end()
         ids += self._encode_ordinary(text[pos:])
         return ids

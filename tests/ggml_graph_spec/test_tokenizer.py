@@ -229,6 +229,19 @@ def test_streaming_specials_and_bad_bytes(fixture_tok: BPETokenizer) -> None:
     assert stream.flush() == "\ufffd"
 
 
+def test_special_text_spelled_like_a_normal_token_stays_apart() -> None:
+    tokens, types, merges = _tiny_vocab()
+    # "<|>" both as a learned (NORMAL) token and as a control token, as a vocabulary could have it.
+    tokens += ["<|", "<|>", "<|>"]
+    types += [TokenType.NORMAL, TokenType.NORMAL, TokenType.CONTROL]
+    tok = BPETokenizer(tokens, types, ["< |", "<| >"])
+    assert tok.encode("<|>", allow_special=False) == [258]
+    assert tok.encode("<|>") == [259]
+    assert tok.decode([258, 259]) == "<|><|>"
+    with pytest.raises(GGUFError, match="cannot add a BOS token"):
+        tok.encode("a", add_bos=True)
+
+
 def test_unused_slots_decode_to_nothing() -> None:
     tokens, types, merges = _tiny_vocab()
     tok = BPETokenizer(tokens + ["[PAD257]"], types + [TokenType.UNUSED], merges)
@@ -254,6 +267,8 @@ BAD_METADATA = {
                       "tokenizer.ggml.tokens[257] = 'a b' is not in GPT-2 byte-to-unicode form"),
     "bad token type": (lambda t, k, m: (t, k[:-1] + [9], m, {}), "tokenizer.ggml.token_type[256] is 9"),
     "eos out of range": (lambda t, k, m: (t, k, m, {"eos_id": 500}), "eos_token_id 500 is outside the 257 tokens"),
+    "add_bos without bos": (lambda t, k, m: (t, k, m, {"add_bos": True}),
+                            "tokenizer.ggml.add_bos_token is true but the GGUF has no tokenizer.ggml.bos_token_id"),
 }
 
 

@@ -149,9 +149,9 @@ def test_merge_recovery_is_fast_on_a_163k_vocab() -> None:
         if len(token) <= 24 and token not in seen:
             seen.add(token)
             ranks.append(token)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the claim is about the work, not about a busy machine
     merges = recover_merges(ranks)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(merges) > 100_000
     assert elapsed < 8.0, f"merge recovery took {elapsed:.1f}s for 163,584 ranks"
 
