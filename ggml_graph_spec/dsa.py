@@ -11,6 +11,11 @@ from __future__ import annotations
 import numpy as np
 import ggml
 
+from .graph import GraphBuild
+from .loader import LayerWeights
+
+Tensor = ggml.ggml_tensor_p
+
 KEY_NORM_EPS = 1e-6  # the indexer key LayerNorm (DeepSeek-V3.2 default, kept by the contract)
 
 # Invisible (causally masked) cells are clamped to this finite value before the selection so
@@ -18,7 +23,7 @@ KEY_NORM_EPS = 1e-6  # the indexer key LayerNorm (DeepSeek-V3.2 default, kept by
 _FLOOR = float(np.finfo(np.float32).min)
 
 
-def indexer_key(g, w, x):
+def indexer_key(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """kI = LayerNorm(indexer.attn_k x; gain k_norm, bias k_norm.bias or 0), ne [D_I, T]."""
     ctx = g.ctx
     k = ggml.ggml_norm(ctx, g.mm(w("indexer.attn_k.weight"), x), KEY_NORM_EPS)
@@ -28,7 +33,7 @@ def indexer_key(g, w, x):
     return k
 
 
-def head_weights(g, w, x):
+def head_weights(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """w = (indexer.proj x) * H_I^-0.5 * D_I^-0.5, ne [H_I, T]; scaled twice as the contract
     writes it, so the scores round like the reference's."""
     ix = g.cfg.indexer
@@ -37,7 +42,7 @@ def head_weights(g, w, x):
     return ggml.ggml_scale(ctx, ggml.ggml_scale(ctx, hw, ix.n_heads ** -0.5), ix.head_dim ** -0.5)
 
 
-def indexer_scores(g, w, x, cq):
+def indexer_scores(g: GraphBuild, w: LayerWeights, x: Tensor, cq: Tensor) -> Tensor:
     """score[t, s] = sum_h w[t, h] relu(qI[t, h] . kI[s]) + causal mask, ne [n_kv, T].
 
     Appends this call's indexer keys to the layer's indexer key cache first, so every query
@@ -53,7 +58,7 @@ def indexer_scores(g, w, x, cq):
     return ggml.ggml_add(ctx, ggml.ggml_reshape_2d(ctx, score, g.n_kv, T), g.kq_mask)
 
 
-def top_k_mask(g, scores, k: int):
+def top_k_mask(g: GraphBuild, scores: Tensor, k: int) -> Tensor:
     """0 on the k highest scores of each row, -inf elsewhere; ties: the lower position wins.
 
     ggml's sort ops are not stable (std::sort, std::partial_sort), and exact ties are common
@@ -81,7 +86,7 @@ def top_k_mask(g, scores, k: int):
     return ggml.ggml_log(ctx, ggml.ggml_add(ctx, above, tie_kept))  # log(1) = 0, log(0) = -inf
 
 
-def selection_mask(g, scores, top_k: int):
+def selection_mask(g: GraphBuild, scores: Tensor, top_k: int) -> Tensor:
     """The attention mask of a DSA layer, [n_kv, T] F32: 0 where key s is among the
     min(top_k, visible) selected keys of query t and visible to it, -inf elsewhere.
 
@@ -90,7 +95,7 @@ def selection_mask(g, scores, top_k: int):
     return ggml.ggml_add(g.ctx, top_k_mask(g, scores, min(top_k, g.n_kv)), g.kq_mask)
 
 
-def build_dsa_mask(g, w, x, cq, top_k: int):
+def build_dsa_mask(g: GraphBuild, w: LayerWeights, x: Tensor, cq: Tensor, top_k: int) -> Tensor:
     """Indexer scores -> selection mask of layer `w.layer`; records the scores and the selected
     positions when the caller asked for them."""
     scores = indexer_scores(g, w, x, cq)
@@ -102,7 +107,7 @@ def build_dsa_mask(g, w, x, cq, top_k: int):
     return mask
 
 
-def selected_positions(g, mask, k: int):
+def selected_positions(g: GraphBuild, mask: Tensor, k: int) -> Tensor:
     """The k cells with the highest mask value per row, I32 [k, T], any order: every visible
     selected cell (0) first; rows with fewer than k of them are filled with invisible cells."""
     ctx = g.ctx

@@ -16,6 +16,10 @@ from __future__ import annotations
 import ggml
 
 from . import dsa
+from .graph import GraphBuild
+from .loader import LayerWeights
+
+Tensor = ggml.ggml_tensor_p
 
 # Moonshot's q_a_layernorm / kv_a_layernorm are built without eps and use the class default;
 # llama.cpp uses the model's rms_norm_eps here instead.
@@ -25,12 +29,12 @@ _F32 = ggml.GGML_TYPE_F32
 _F16 = ggml.GGML_TYPE_F16
 
 
-def q_lora_latent(g, w, x):
+def q_lora_latent(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """cq = rmsnorm(attn_q_a x), [q_lora, T]: the MLA queries and the DSA indexer queries read it."""
     return g.rms_norm(g.mm(w("attn_q_a.weight"), x), w("attn_q_a_norm.weight"), LATENT_NORM_EPS)
 
 
-def absorbed_query(g, w, cq):
+def absorbed_query(g: GraphBuild, w: LayerWeights, cq: Tensor) -> Tensor:
     """[q_lat | q_pe] per head, ne [kv_lora + rope, T, H]."""
     c = g.cfg
     ctx, T, H = g.ctx, g.n_tokens, c.num_heads
@@ -46,7 +50,7 @@ def absorbed_query(g, w, cq):
     return ggml.ggml_concat(ctx, q_lat, q_pe, 0)
 
 
-def latent_row(g, w, x):
+def latent_row(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """The cache row per token, [rmsnorm(c) | k_pe], ne [kv_lora + rope, T]."""
     c = g.cfg
     ctx, T = g.ctx, g.n_tokens
@@ -58,12 +62,12 @@ def latent_row(g, w, x):
     return ggml.ggml_concat(ctx, lat, ggml.ggml_cont(ctx, k_pe), 0)
 
 
-def _value_view(g, kv):
+def _value_view(g: GraphBuild, kv: Tensor) -> Tensor:
     """The value is the latent part of each cache row: a view, no copy."""
     return ggml.ggml_view_2d(g.ctx, kv, g.cfg.kv_lora_rank, g.n_kv, kv.contents.nb[1], 0)
 
 
-def attend_exact(g, q, kv, mask, scale: float):
+def attend_exact(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: float) -> Tensor:
     """softmax(scale * q.k + mask) v in F32; q [D, T, H], kv [D, n_kv] F32 -> [kv_lora, T, H]."""
     ctx = g.ctx
     kq = ggml.ggml_mul_mat(ctx, kv, q)  # [n_kv, T, H]; kv broadcast over the heads
@@ -72,7 +76,7 @@ def attend_exact(g, q, kv, mask, scale: float):
     return ggml.ggml_mul_mat(ctx, v_t, p)
 
 
-def attend_flash(g, q, kv, mask, scale: float):
+def attend_flash(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: float) -> Tensor:
     """llama.cpp's kernel: flash_attn_ext with F16 K/V and an F16 mask -> [kv_lora, T, H]."""
     ctx = g.ctx
     if kv.contents.type != _F16:
@@ -81,7 +85,7 @@ def attend_flash(g, q, kv, mask, scale: float):
     return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
 
 
-def build_mla(g, w, x):
+def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """Gated NoPE MLA of layer `w.layer` (DSA-masked when `g.dsa_top_k` says so): [n_embd, T]."""
     c = g.cfg
     ctx, T = g.ctx, g.n_tokens

@@ -8,24 +8,9 @@ import numpy as np
 import ggml
 
 from ggml_graph_spec.cache import SequenceCache
-from ggml_graph_spec.graph import F32, GraphBuild, new_tensor
+from ggml_graph_spec.graph import F32, Executor, GraphBuild, new_tensor
 
-_NP = {ggml.GGML_TYPE_F32: np.float32, ggml.GGML_TYPE_I32: np.int32}
-
-
-def _context(n_tensors: int):
-    params = ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * n_tensors
-                                   + ggml.ggml_graph_overhead_custom(n_tensors, False),
-                                   mem_buffer=None, no_alloc=True)
-    return ggml.ggml_init(params)
-
-
-def _get(t) -> np.ndarray:
-    """As a 2-D array [rows, ne0]: every output here is [ne0, n_tokens] (T = 1 included)."""
-    assert ggml.ggml_is_contiguous(t)
-    out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=_NP[t.contents.type])
-    ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
-    return out
+N_NODES = 4096  # one attention layer needs a few hundred
 
 
 class _Weights:
@@ -46,15 +31,16 @@ class AttnGraph:
 
     def __init__(self, cfg, layer: int, weights: dict[str, np.ndarray], n_ctx: int, exact: bool = True):
         self.cfg, self.layer, self.exact = cfg, layer, exact
-        self.backend = ggml.ggml_backend_cpu_init()
-        self._ctx = _context(len(weights) + 1)
+        self.executor = Executor(n_threads=1)
+        self._ctx = ggml.ggml_init(ggml.ggml_init_params(
+            mem_size=ggml.ggml_tensor_overhead() * (len(weights) + 1), mem_buffer=None, no_alloc=True))
         tensors = {k: new_tensor(self._ctx, F32, tuple(reversed(v.shape))) for k, v in weights.items()}
-        self._buf = ggml.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend) if weights else None
+        self._buf = ggml.ggml_backend_alloc_ctx_tensors(self._ctx, self.executor.backend) if weights else None
         for k, v in weights.items():
             a = np.ascontiguousarray(v, dtype=np.float32)
             ggml.ggml_backend_tensor_set(tensors[k], a.ctypes.data, 0, a.nbytes)
         self.w = _Weights(cfg, layer, tensors)
-        self.cache = SequenceCache(cfg, self.backend, n_ctx=n_ctx, exact=exact, with_indexer=True)
+        self.cache = SequenceCache(cfg, self.executor.backend, n_ctx=n_ctx, exact=exact, with_indexer=True)
 
     @property
     def n_past(self) -> int:
@@ -67,22 +53,13 @@ class AttnGraph:
     def eval(self, build, x: np.ndarray, top_k: int | None = None, want: tuple[str, ...] = ()) -> tuple:
         """Run `build(g, w, x)` on x [T, n_embd]; returns (output [T, ...], {what: [T, ...]})."""
         T = x.shape[0]
-        ctx = _context(4096)
-        gf = ggml.ggml_new_graph_custom(ctx, 4096, False)
-        g = GraphBuild(ctx, gf, self.cfg, self.cache, n_tokens=T, exact=self.exact, top_k=top_k, wants=want)
-        out = build(g, self.w, g.input("x", F32, (self.cfg.hidden_size, T), x))
-        ggml.ggml_set_output(out)
-        ggml.ggml_build_forward_expand(gf, out)
-        galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
-        try:
-            assert ggml.ggml_gallocr_alloc_graph(galloc, gf)
-            for t, value in g.inputs:
-                if t.contents.buffer:  # inputs the built graph does not read get no memory
-                    ggml.ggml_backend_tensor_set(t, value.ctypes.data, 0, value.nbytes)
-            assert ggml.ggml_backend_graph_compute(self.backend, gf) == ggml.GGML_STATUS_SUCCESS
-            result = _get(out), {what: _get(t) for (what, _), t in g.records.items()}
-        finally:
-            ggml.ggml_gallocr_free(galloc)
-            ggml.ggml_free(ctx)
+
+        def make(ctx, gf):
+            return GraphBuild(ctx, gf, self.cfg, self.cache, n_tokens=T, exact=self.exact, top_k=top_k, wants=want)
+
+        with self.executor.graph(N_NODES, make) as g:
+            out = build(g, self.w, g.input("x", F32, (self.cfg.hidden_size, T), x))
+            self.executor.compute(g, [out])
+            result = Executor.read(out), {what: Executor.read(t) for (what, _), t in g.records.items()}
         self.cache.n_past += T
         return result

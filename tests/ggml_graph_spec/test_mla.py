@@ -36,7 +36,8 @@ def dense_layer(cfg):
 
 def _inputs(cfg, seed: int, n: int = 9):
     rng = np.random.default_rng(seed)
-    return ref.random_attention_weights(cfg, cfg.mla_layers[0], rng), rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)
+    W = ref.random_attention_weights(cfg, cfg.mla_layers[0], rng)
+    return W, rng.standard_normal((n, cfg.hidden_size)).astype(np.float32)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
