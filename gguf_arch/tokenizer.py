@@ -133,8 +133,9 @@ def read_special_tokens(path: Path, n_ranks: int, vocab_size: int) -> SpecialTok
         if not (isinstance(key, str) and key.isdigit()):
             raise TokenizerError(f"{path}: added_tokens_decoder key {key!r} is not a token id")
         content = entry.get("content") if isinstance(entry, dict) else None
-        if not isinstance(content, str) or not content:
-            raise TokenizerError(f"{path}: added_tokens_decoder[{key}] needs a non-empty 'content' string")
+        if not isinstance(content, str) or not content or not _is_utf8(content):
+            raise TokenizerError(f"{path}: added_tokens_decoder[{key}] needs a non-empty 'content' string "
+                                 f"of valid Unicode, got {content!r}")
         tid = int(key)
         if not n_ranks <= tid < vocab_size:
             raise TokenizerError(f"{path}: special token {content!r} has id {tid}, expected an id in "
@@ -167,6 +168,15 @@ def _load_json(path: Path) -> dict:
     if not isinstance(raw, dict):
         raise TokenizerError(f"{path}: expected a JSON object at the top level")
     return raw
+
+
+def _is_utf8(text: str) -> bool:
+    # JSON can carry lone surrogates ("\ud800"), which no GGUF string can hold.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _first_duplicate(by_id: dict[int, str]) -> str | None:

@@ -209,6 +209,11 @@ BAD_INPUTS = {
     "special id on a rank": (
         lambda m: _edit_config(m, lambda c: c["added_tokens_decoder"].update({"10": {"content": "<x>"}})),
         "special token '<x>' has id 10"),
+    "special with a lone surrogate": (
+        lambda m: (m / "tokenizer_config.json").write_text(
+            (m / "tokenizer_config.json").read_text().replace('"[EOT]"', '"\\ud800"')),
+        "added_tokens_decoder[665] needs a non-empty 'content' string of valid Unicode"),
+    "empty tiktoken.model": (lambda m: (m / "tiktoken.model").write_text("\n"), "tiktoken.model: holds no ranks"),
     "special listed twice": (
         lambda m: _edit_config(m, lambda c: c["added_tokens_decoder"]["700"].update(content="[BOS]")),
         "special token '[BOS]' is listed under more than one id"),
