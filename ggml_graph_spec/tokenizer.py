@@ -59,6 +59,7 @@ class BPETokenizer:
         self._id_of = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k in _BYTE_FORM_TYPES}
         self._special_id = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k in _TEXT_TYPES}
         self._pair_rank = _pair_ranks(merges, self._id_of)
+        self._no_merge = len(merges)  # above every merge rank
         longest_first = sorted(self._special_id, key=len, reverse=True)
         self._special = regex.compile("|".join(map(regex.escape, longest_first))) if longest_first else None
         self._encode_piece = functools.lru_cache(maxsize=_PIECE_CACHE_SIZE)(self._bpe)
@@ -117,7 +118,7 @@ class BPETokenizer:
         # Merge the adjacent pair of lowest merge rank, leftmost on ties, until none is left.
         raw = piece.encode("utf-8")
         symbols = list(raw.decode("latin-1").translate(byte_to_unicode()))
-        never = len(self._pair_rank)
+        never = self._no_merge
         ranks = [self._pair_rank.get(p, never) for p in zip(symbols, symbols[1:])]
         while ranks:
             best = min(ranks)

@@ -242,6 +242,14 @@ def test_special_text_spelled_like_a_normal_token_stays_apart() -> None:
         tok.encode("a", add_bos=True)
 
 
+def test_a_repeated_merge_keeps_its_first_rank_and_later_merges_still_apply() -> None:
+    tokens, types, _ = _tiny_vocab()
+    tokens += ["ab", "abc"]
+    types += [TokenType.NORMAL] * 2
+    tok = BPETokenizer(tokens, types, ["a b", "a b", "ab c"])
+    assert tok.encode("abc") == [258]
+
+
 def test_unused_slots_decode_to_nothing() -> None:
     tokens, types, merges = _tiny_vocab()
     tok = BPETokenizer(tokens + ["[PAD257]"], types + [TokenType.UNUSED], merges)
