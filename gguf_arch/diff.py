@@ -190,22 +190,20 @@ def _kv_b_v(cfg: K3Config, plan: PlannedTensor, src: list[_Source]) -> Iterator[
 
 # compressed-tensors FP4 E2M1 by nibble; bit 3 is the sign (k3-spec C.2).
 _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+# A packed byte holds element 2i in its low nibble and 2i+1 in its high nibble: byte -> that pair.
+_BYTE_PAIRS = np.stack([_E2M1[np.arange(256) & 0x0F], _E2M1[np.arange(256) >> 4]], axis=1)
 _E8M0_NAN = 255
 
 
 def decode_compressed_mxfp4(packed: np.ndarray, scale: np.ndarray, group: int = 32) -> np.ndarray:
     """compressed-tensors `weight_packed` [rows, cols/2] + `weight_scale` [rows, cols/group] -> float32.
 
-    Element 2i is the low nibble of byte i, 2i+1 the high one; w = E2M1[code] * 2^(scale - 127).
-    Both factors and their product are exact in float32 (a power of two times a 3-bit value).
+    w = E2M1[code] * 2^(scale - 127); both factors and their product are exact in float32.
     """
     rows, n_groups = scale.shape
-    codes = np.empty((rows, packed.shape[1] * 2), dtype=np.uint8)
-    codes[:, 0::2] = packed & 0x0F
-    codes[:, 1::2] = packed >> 4
-    factor = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32)
-    factor[scale == _E8M0_NAN] = np.nan
-    return (_E2M1[codes].reshape(rows, n_groups, group) * factor[:, :, None]).reshape(rows, -1)
+    exponent = np.minimum(scale, _E8M0_NAN - 1).astype(np.int32) - 127
+    factor = np.where(scale == _E8M0_NAN, np.float32(np.nan), np.ldexp(np.float32(1), exponent)).astype(np.float32)
+    return (_BYTE_PAIRS[packed].reshape(rows, n_groups, group) * factor[:, :, None]).reshape(rows, -1)
 
 
 def _mxfp4_experts(cfg: K3Config, plan: PlannedTensor, src: list[_Source]) -> Iterator[_Chunk]:
