@@ -49,13 +49,17 @@ def indexer_scores(g: GraphBuild, w: LayerWeights, x: Tensor, cq: Tensor) -> Ten
     sees its own key and all earlier ones."""
     ix = g.cfg.indexer
     ctx, T = g.ctx, g.n_tokens
-    q = ggml.ggml_reshape_3d(ctx, g.mm(w("indexer.attn_q_b.weight"), cq), ix.head_dim, ix.n_heads, T)
+    q = g.mm(w("indexer.attn_q_b.weight"), cq)  # [D_I * H_I, T]: head h of token t at row h + t H_I
+    q = ggml.ggml_reshape_2d(ctx, q, ix.head_dim, ix.n_heads * T)
     keys = g.store(g.cache.indexer_keys(w.layer), indexer_key(g, w, x))  # [D_I, n_kv]
-    qk = ggml.ggml_relu(ctx, ggml.ggml_mul_mat(ctx, keys, q))  # [n_kv, H_I, T]
-    qk = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, qk, 1, 0, 2, 3))  # [H_I, n_kv, T]
-    hw = ggml.ggml_reshape_3d(ctx, head_weights(g, w, x), ix.n_heads, 1, T)
-    score = ggml.ggml_mul_mat(ctx, qk, hw)  # [n_kv, 1, T]: the head-weighted sum per key
-    return ggml.ggml_add(ctx, ggml.ggml_reshape_2d(ctx, score, g.n_kv, T), g.kq_mask)
+    # The one [H_I * T, n_kv] tensor is laid out with the heads fastest, so that weighting and
+    # summing over the heads work in place and sum_rows reduces it without a transposed copy.
+    qk = ggml.ggml_relu_inplace(ctx, ggml.ggml_mul_mat(ctx, q, keys))  # [H_I * T, n_kv]
+    hw = ggml.ggml_reshape_1d(ctx, head_weights(g, w, x), ix.n_heads * T)
+    qk = ggml.ggml_mul_inplace(ctx, qk, hw)
+    score = ggml.ggml_sum_rows(ctx, ggml.ggml_reshape_2d(ctx, qk, ix.n_heads, T * g.n_kv))  # [1, T * n_kv]
+    score = ggml.ggml_cont(ctx, ggml.ggml_transpose(ctx, ggml.ggml_reshape_2d(ctx, score, T, g.n_kv)))
+    return ggml.ggml_add(ctx, score, g.kq_mask)  # [n_kv, T]
 
 
 def top_k_mask(g: GraphBuild, scores: Tensor, k: int) -> Tensor:
