@@ -275,14 +275,14 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
     return model, tokenizer
 
 
-def summary(model: Model, tokenizer: BPETokenizer) -> list[str]:
-    """llama.cpp-style `print_info` lines about the loaded model."""
+def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) -> list[str]:
+    """llama.cpp-style `print_info` lines about the loaded model (after the overrides)."""
     cfg, w = model.cfg, model.weights
     types = Counter(ggml.ggml_type_name(t.contents.type).decode() for t in w.tensors.values())
     dsa = "none (plain kimi-k3)"
     if cfg.indexer is not None:
-        state = f"top_k {model.top_k}" if model.top_k is not None else "off (dense MLA)"
-        dsa = f"{list(cfg.indexer.layers)} ({state}; GGUF top_k {cfg.indexer.top_k})"
+        state = f"on, top_k {model.top_k}" if model.top_k is not None else "off: dense MLA"
+        dsa = f"{list(cfg.indexer.layers)} ({state})"
     rows = [
         ("file", f"{w.path}"),
         ("arch", w.metadata.get("general.architecture", "?")),
@@ -299,6 +299,7 @@ def summary(model: Model, tokenizer: BPETokenizer) -> list[str]:
                  "activations for quantized weights, F16 latent cache)"),
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]
+    rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()]
     return [f"print_info: {k:<16} = {v}" for k, v in rows]
 
 
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer = load(args)
     timings.load_s = time.perf_counter() - t
     try:
-        _log(summary(model, tokenizer))
+        _log(summary(model, tokenizer, dict(args.override_kv)))
         if args.perplexity:
             _run_perplexity(args, model, tokenizer, text)
         else:
