@@ -51,7 +51,7 @@ def byte_to_unicode() -> dict[int, str]:
     U+0100 onwards in byte order."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {b: chr(b) for b in kept}
-    shifted = (b for b in range(256) if b not in table)
+    shifted = [b for b in range(256) if b not in table]
     for n, b in enumerate(shifted):
         table[b] = chr(256 + n)
     return dict(sorted(table.items()))
