@@ -1,5 +1,5 @@
 """The synthetic checkpoint generator: real on-disk format, the table's tensors, determinism,
-bounded memory, tokenizer files, and that the converter takes its output."""
+bounded memory, tokenizer files, and that the converter and the graph take its output."""
 from __future__ import annotations
 
 import base64
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import tiktoken
 import torch
+from gguf import GGUFReader
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from gguf import GGUFReader
-
+from ggml_graph_spec.model import Model
 from gguf_arch.config import load_config
 from gguf_arch.convert import convert
 from gguf_arch.diff import diff_gguf
@@ -29,7 +29,7 @@ from gguf_arch.keys import ARCH, INDEXER_TOP_K
 from gguf_arch.safetensors_write import StreamedTensor, write_safetensors
 from gguf_arch.synth import INDEX_FILE, main, plan_checkpoint, write_checkpoint
 from gguf_arch.synth_config import LARGE, SPECIAL_OFFSETS, TINY
-from gguf_arch.synth_tokenizer import _bpe_split, ranks_for_vocab
+from gguf_arch.synth_tokenizer import ranks_for_vocab
 from gguf_arch.synth_weights import ROW_INIT, mxfp4_scale_range
 from gguf_arch.tensors import SKIP_PREFIXES, TEXT_PREFIX, plan_tensors, specs_by_gguf_template
 
@@ -285,13 +285,16 @@ def _ranks(model: Path) -> dict[bytes, int]:
 
 
 def test_ranks_are_a_consistent_bpe_vocabulary(odd):
+    """Each merged token, encoded by tiktoken with the lower ranks only, is exactly two tokens
+    (what merge recovery from tiktoken ranks relies on)."""
     ranks = _ranks(odd)
     assert sorted(ranks.values()) == list(range(len(ranks)))
     assert all(ranks[bytes([b])] == b for b in range(256))
-    for token, rank in ranks.items():
-        if rank >= 256:
-            lower = {t: r for t, r in ranks.items() if r < rank}
-            assert len(_bpe_split(token, lower)) == 2, token
+    by_rank = sorted(ranks, key=ranks.get)
+    for rank in range(256, len(by_rank)):
+        lower = tiktoken.Encoding(f"lower{rank}", pat_str=r"\s+", mergeable_ranks=dict(zip(by_rank[:rank], range(rank))),
+                                  special_tokens={})
+        assert len(lower._encode_single_piece(by_rank[rank])) == 2, by_rank[rank]
 
 
 def test_tiktoken_round_trips_with_the_special_block(odd):
@@ -367,3 +370,18 @@ def test_tiny_synthetic_model_diffs_exact(tiny_gguf):
     report = diff_gguf(model, out)
     bad = [t.line() for t in report.tensors if not t.ok]
     assert report.ok, f"{report.summary()}; " + "; ".join(bad[:4])
+
+
+def test_tiny_synthetic_model_runs_with_o1_activations_and_varied_greedy_tokens(tiny_gguf):
+    """As the fixtures' reference run: hidden RMS ~1-3, logits std ~3, greedy tokens vary, no NaN."""
+    model = Model.load(tiny_gguf[1], n_ctx=64)
+    bos = load_config(tiny_gguf[0]).bos_token_id
+    result = model.run([bos, *range(300, 311)], want=["hidden"])
+    assert np.isfinite(result.logits).all() and 1.0 < result.logits.std() < 10.0
+    for layer, hidden in result.hidden.items():
+        assert 0.3 < np.sqrt(np.mean(hidden.astype(np.float64) ** 2)) < 10.0, layer
+    tokens, logits = [], result.logits[-1]
+    for _ in range(12):
+        tokens.append(int(np.argmax(logits)))
+        logits = model.eval([tokens[-1]])[-1]
+    assert len(set(tokens)) >= 6, tokens
