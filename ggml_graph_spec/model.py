@@ -96,12 +96,14 @@ class Model:
         self.cfg = weights.cfg
         self.exact = exact
         self.dsa = dsa
+        self._top_k: int | None = None
+        self.top_k = top_k  # validated before any ggml object exists
+        if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
+            raise EvalError(f"n_threads must be an integer >= 1, got {n_threads!r}")
         self._exec = Executor(n_threads)
         self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
                                    with_indexer=dsa and self.cfg.indexer is not None)
         self._graph_size = _graph_size(self.cfg)
-        self._top_k: int | None = None
-        self.top_k = top_k
 
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
@@ -119,7 +121,7 @@ class Model:
             raise EvalError(f"{path}: n_ctx must be in 1..{weights.cfg.context_length}, got {n_ctx}")
         try:
             return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
-                       n_threads=n_threads or os.cpu_count() or 1)
+                       n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads)
         except EvalError:
             weights.close()
             raise

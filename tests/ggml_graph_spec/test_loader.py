@@ -21,12 +21,12 @@ from ggml_graph_spec.loader import load_gguf
 
 def _rewrite(src: Path, dst: Path, *, keys: dict[str, Any] | None = None,
              tensors: dict[str, tuple[np.ndarray, Q] | None] | None = None,
-             extra: dict[str, np.ndarray] | None = None) -> Path:
+             extra: dict[str, np.ndarray] | None = None, split_max_tensors: int = 0) -> Path:
     """Copy src with metadata changes (value None: drop the key; (value, type) to set one) and
     tensor changes (None: drop it; (data, type): replace it), keeping everything else."""
     keys, tensors, extra = keys or {}, tensors or {}, extra or {}
     reader = GGUFReader(src)
-    w = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    w = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()), split_max_tensors=split_max_tensors)
     for name, f in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture" or name in keys:
             continue
@@ -81,6 +81,27 @@ def test_tensors_point_into_the_mapped_file_without_copies(k31pro_tiny_gguf):
             assert np.array_equal(got, t.data.reshape(-1).view(np.uint8)), t.name
     finally:
         weights.close()
+
+
+def test_split_gguf_loads_all_parts(tmp_path, k3_tiny_gguf):
+    """llama.cpp-style split files (gguf-py's writer): tensors found in every part, same bytes."""
+    _rewrite(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) == 3
+    whole, split = load_gguf(k3_tiny_gguf), load_gguf(parts[0])
+    try:
+        assert split.cfg == whole.cfg and set(split.tensors) == set(whole.tensors)
+        assert len({f.reader.data.filename for f in split._files}) == 3
+        for name, t in whole.tensors.items():
+            n = ggml.ggml_nbytes(t)
+            a = (ctypes.c_uint8 * n).from_address(ggml.ggml_get_data(t))
+            b = (ctypes.c_uint8 * n).from_address(ggml.ggml_get_data(split.tensors[name]))
+            assert bytes(a) == bytes(b), name
+    finally:
+        whole.close()
+        split.close()
+    parts[1].unlink()
+    _one_line_error(parts[0], "split-00002-of-00003.gguf", "not found")
 
 
 def _one_line_error(path: Path, *fragments: str) -> str:

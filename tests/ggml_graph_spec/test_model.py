@@ -173,3 +173,26 @@ def test_bad_requests_are_one_line_errors(exact):
     with pytest.raises(EvalError, match="unknown output"):
         m.run([1], want=("attention",))
     assert m.n_past == 0
+
+
+def test_bad_load_options_are_one_line_errors(k3_tiny_gguf, k31pro_tiny_gguf):
+    with pytest.raises(EvalError, match="no DSA indexer"):
+        Model.load(k3_tiny_gguf, n_ctx=N_CTX, top_k=8)
+    with pytest.raises(EvalError, match="top_k must be an integer >= 1"):
+        Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, top_k=0)
+    with pytest.raises(EvalError, match="n_ctx must be in 1.."):
+        Model.load(k3_tiny_gguf, n_ctx=0)
+    with pytest.raises(EvalError, match="n_threads"):
+        Model.load(k3_tiny_gguf, n_ctx=N_CTX, n_threads=0)
+
+
+def test_top_k_override_and_dsa_switch(k31pro_tiny_gguf):
+    m = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, top_k=8, n_threads=1)
+    off = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, dsa=False, top_k=8, n_threads=1)
+    try:
+        assert m.top_k == 8 and off.top_k is None
+        m.top_k = None
+        assert m.top_k == m.cfg.indexer.top_k
+    finally:
+        m.close()
+        off.close()
