@@ -159,10 +159,13 @@ def test_trained_vocab_encodes_like_tiktoken_on_random_text(trained, text: str) 
     assert tok.encode(text) == enc.encode_ordinary(text)
 
 
+@pytest.mark.parametrize("source", ["metadata", "converted GGUF"])
 @pytest.mark.parametrize("fixture", ["k3-tiny", "k31pro-tiny"])
-def test_reference_prompts_reencode_exactly(fixture: str, request: pytest.FixtureRequest) -> None:
-    gguf_path = request.getfixturevalue("k3_tiny_gguf" if fixture == "k3-tiny" else "k31pro_tiny_gguf")
-    tok = BPETokenizer.from_gguf(gguf_path)
+def test_reference_prompts_reencode_exactly(fixture: str, source: str, request: pytest.FixtureRequest) -> None:
+    if source == "metadata":
+        tok = tokenizer_from_metadata(FIXTURES / fixture)
+    else:
+        tok = BPETokenizer.from_gguf(request.getfixturevalue(f"{fixture.replace('-', '_')}_gguf"))
     ref = np.load(FIXTURES / fixture / "reference.npz")
     for prompt in ("short", "long"):
         want = ref[f"input_ids_{prompt}"].tolist()
