@@ -427,7 +427,7 @@ def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor
 
 # ---- the diff over a layer selection --------------------------------------------------------
 
-_LAYER_PREFIX = TABLE[[s.group for s in TABLE].index("layer")].gguf.split("{l}")[0]  # "blk."
+_LAYER_PREFIX = next(s.gguf for s in TABLE if s.group == "layer").split("{l}")[0]  # "blk."
 
 
 def gguf_layer(name: str) -> int | None:
@@ -444,7 +444,8 @@ def select_layers(cfg: K3Config, layers: Iterable[int] | None) -> tuple[int, ...
     chosen = tuple(sorted(set(int(l) for l in layers)))
     outside = [l for l in chosen if not 0 <= l < cfg.num_layers]
     if outside:
-        raise KimiError(f"layers {outside} are outside 0..{cfg.num_layers - 1} (0-based; the model has {cfg.num_layers})")
+        raise KimiError(f"layers {outside} are outside 0..{cfg.num_layers - 1} "
+                        f"(0-based; the model has {cfg.num_layers})")
     return chosen
 
 
@@ -502,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", help="HF checkpoint directory (config.json + safetensors shards)")
     parser.add_argument("gguf", help="the converted GGUF file")
     parser.add_argument("--layers", default="all", help="'all' (default) or 0-based layers, e.g. 0,3,12")
-    parser.add_argument("--no-globals", action="store_true", help="leave out token_embd, output and the other globals")
+    parser.add_argument("--no-globals", action="store_true",
+                        help="leave out token_embd, output and the other globals")
     parser.add_argument("--json", action="store_true", help="one JSON report instead of one line per tensor")
     args = parser.parse_args(argv)
     try:
