@@ -4,9 +4,13 @@ MLA to the bit, and the forced top_k 8 selects exactly the fixture's positions i
 (short and long prompt, prefill and token-by-token decode) and moves the logits as it does."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
+from gguf_arch.keys import INDEXER_TOP_K
 from ggml_graph_spec.model import Model
 
 PROMPTS = ("short", "long")
@@ -48,6 +52,28 @@ def test_gguf_top_k_is_the_configs(model, reference):
     assert list(model.cfg.indexer.layers) == reference["index_layers"].tolist()
 
 
+def test_top_k_comes_from_the_gguf_key(k31pro_tiny_gguf, tmp_path, reference):
+    """A GGUF whose indexer top_k key says 8 selects the fixture's top-k 8 sets with no override;
+    a runtime override then wins over the key."""
+    path = shutil.copyfile(k31pro_tiny_gguf, tmp_path / "topk8.gguf")
+    reader = GGUFReader(path, "r+")
+    reader.fields[INDEXER_TOP_K].parts[-1][0] = FORCED
+    reader.data.flush()
+    del reader
+    ids = reference["input_ids_short"]
+    m = Model.load(path, n_ctx=32, exact_experts=True)
+    try:
+        assert m.top_k == FORCED
+        r = m.run(ids, want=("index_selected",))
+        for l in m.cfg.indexer.layers:
+            assert np.array_equal(r.index_selected[l], reference[f"topk{FORCED}__index_selected_short_layer_{l}"])
+        r = _run(m, ids, len(ids))
+        for l in m.cfg.indexer.layers:
+            assert np.array_equal(r.index_selected[l], reference[f"index_selected_short_layer_{l}"])
+    finally:
+        m.close()
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_top_k_above_context_is_dense_bit_for_bit(model, k31pro_tiny_gguf, reference, prompt):
     ids = reference[f"input_ids_{prompt}"]
@@ -62,6 +88,19 @@ def test_top_k_above_context_is_dense_bit_for_bit(model, k31pro_tiny_gguf, refer
         for l in model.cfg.indexer.layers:
             assert np.array_equal(r.index_selected[l], reference[f"index_selected_{prompt}_layer_{l}"])
     _assert_logits(off, reference[f"logits_{prompt}"])
+
+
+def test_fast_path_top_k_above_context_is_dense_bit_for_bit(k31pro_tiny_gguf, reference):
+    """The same equality on llama.cpp's kernels (MXFP4 experts, F16 cache, flash attention)."""
+    ids = reference["input_ids_long"]
+    runs = []
+    for dsa in (True, False):
+        m = Model.load(k31pro_tiny_gguf, n_ctx=128, dsa=dsa)
+        try:
+            runs.append(m.eval(ids))
+        finally:
+            m.close()
+    assert np.array_equal(runs[0], runs[1])
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
