@@ -25,7 +25,6 @@ Tensor = ggml.ggml_tensor_p
 # llama.cpp uses the model's rms_norm_eps here instead.
 LATENT_NORM_EPS = 1e-6
 
-_F32 = ggml.GGML_TYPE_F32
 _F16 = ggml.GGML_TYPE_F16
 
 
@@ -77,10 +76,9 @@ def attend_exact(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: floa
 
 
 def attend_flash(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """llama.cpp's kernel: flash_attn_ext with F16 K/V and an F16 mask -> [kv_lora, T, H]."""
+    """llama.cpp's kernel: flash_attn_ext over the F16 cache (K, and V as its view) with an F16
+    mask -> [kv_lora, T, H]."""
     ctx = g.ctx
-    if kv.contents.type != _F16:
-        kv = ggml.ggml_cast(ctx, kv, _F16)
     o = ggml.ggml_flash_attn_ext(ctx, q, kv, _value_view(g, kv), ggml.ggml_cast(ctx, mask, _F16), scale, 0.0, 0.0)
     return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
 
