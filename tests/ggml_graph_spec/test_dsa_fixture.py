@@ -140,3 +140,19 @@ def test_forced_top_k_decode_token_by_token(model, reference):
         rows = [row for p in parts for row in p.index_selected[l]]
         assert [r[r >= 0].tolist() for r in rows] == [r[r >= 0].tolist() for r in want], l
     _assert_logits(np.concatenate([p.logits for p in parts]), reference[f"topk{FORCED}__logits_short"])
+
+
+def test_forced_top_k_greedy_continuation(model, reference):
+    """16 greedy tokens through the caches at top_k 8: the sparse regime grows with every step
+    (12 -> 27 keys), and every token equals the fixture's (which differ from the dense ones)."""
+    model.reset()
+    model.top_k = FORCED
+    logits = model.eval(reference["input_ids_short"])[-1:]
+    steps, ids = [], []
+    for _ in range(len(reference[f"topk{FORCED}__greedy_ids"])):
+        steps.append(logits[0])
+        ids.append(int(np.argmax(logits[0])))
+        logits = model.eval([ids[-1]])
+    assert ids == reference[f"topk{FORCED}__greedy_ids"].tolist()
+    assert ids != reference["greedy_ids"].tolist()
+    _assert_logits(np.stack(steps), reference[f"topk{FORCED}__greedy_step_logits"])
