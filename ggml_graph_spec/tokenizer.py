@@ -4,6 +4,12 @@ llama.cpp's byte-level BPE: text is cut at special tokens, each remaining span i
 `kimi-k2` pre-tokenizer, every piece is spelled in GPT-2's byte-to-unicode form and merged by the
 rank of `tokenizer.ggml.merges`. Decoding maps tokens back to bytes; the streaming decoder holds
 back an incomplete UTF-8 sequence until the token that completes it arrives.
+
+For a BPE-trained vocabulary this gives tiktoken's ids. Merges cannot express everything tiktoken
+does, though: tiktoken joins any two adjacent parts whose bytes form a token, so a token can arise
+from a part ranked after it (with "ccacb" ranked before "cca", tiktoken makes "ccacb" from "cca" +
+"cb"), while the converter, like llama.cpp's, records one merge per token from BPE over the lower
+ranks only. Such tokens come out split here, as in llama.cpp.
 """
 from __future__ import annotations
 
@@ -115,9 +121,15 @@ class BPETokenizer:
         return ids
 
     def _bpe(self, piece: str) -> tuple[int, ...]:
+        spelled = piece.encode("utf-8").decode("latin-1").translate(byte_to_unicode())
+        # A piece that is a token is that token, as in tiktoken, even when its bytes would not BPE
+        # into it (a token without a merge). llama.cpp does this only for vocabularies with
+        # ignore_merges, which kimi-k2 is not; for BPE-trained vocabularies the result is the same.
+        whole = self._id_of.get(spelled)
+        if whole is not None:
+            return (whole,)
         # Merge the adjacent pair of lowest merge rank, leftmost on ties, until none is left.
-        raw = piece.encode("utf-8")
-        symbols = list(raw.decode("latin-1").translate(byte_to_unicode()))
+        symbols = list(spelled)
         never = self._no_merge
         ranks = [self._pair_rank.get(p, never) for p in zip(symbols, symbols[1:])]
         while ranks:

@@ -159,6 +159,26 @@ def test_trained_vocab_encodes_like_tiktoken_on_random_text(trained, text: str) 
     assert tok.encode(text) == enc.encode_ordinary(text)
 
 
+def _tiktoken_and_ours(extra_ranks: list[bytes]) -> tuple[tiktoken.Encoding, BPETokenizer]:
+    ranks = [bytes([b]) for b in range(256)] + extra_ranks
+    enc = tiktoken.Encoding("t", pat_str=KIMI_K2_PATTERN, mergeable_ranks={t: r for r, t in enumerate(ranks)},
+                            special_tokens={})
+    return enc, tokenizer_from_ranks(ranks)
+
+
+def test_a_piece_that_is_a_token_without_a_merge_is_that_token() -> None:
+    enc, tok = _tiktoken_and_ours([b"abc"])  # no "ab" or "bc": "abc" has no merge
+    assert enc.encode_ordinary("abc abcd") == tok.encode("abc abcd") == [256, 32, 97, 98, 99, 100]
+
+
+def test_a_vocabulary_not_made_by_bpe_training_shows_the_limit_of_merges() -> None:
+    # The module docstring's example: tiktoken builds "ccacb" (258) from "cca" (259) + "cb" (256);
+    # merges record "ccacb" nowhere (BPE below rank 258 ends in c|ca|cb), as llama.cpp's would.
+    enc, tok = _tiktoken_and_ours([b"cb", b"ca", b"ccacb", b"cca"])
+    assert enc.encode_ordinary("ccacbc") == [258, 99]
+    assert tok.encode("ccacbc") == [259, 256, 99]
+
+
 @pytest.mark.parametrize("source", ["metadata", "converted GGUF"])
 @pytest.mark.parametrize("fixture", ["k3-tiny", "k31pro-tiny"])
 def test_reference_prompts_reencode_exactly(fixture: str, source: str, request: pytest.FixtureRequest) -> None:
