@@ -25,7 +25,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader
@@ -400,7 +400,8 @@ def read_sources(ckpt: _Checkpoint, plan: PlannedTensor) -> list[_Source]:
     return [ckpt.get(name, shape, spec.dtypes) for (name, shape), spec in zip(plan.sources, specs)]
 
 
-def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor) -> TensorDiff:
+def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
+              intended: Mapping[str, str]) -> TensorDiff:
     t = gguf.tensors[plan.name]
     qtype = Q(t.tensor_type)
     sources = read_sources(ckpt, plan)
@@ -413,6 +414,8 @@ def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor
     if found_shape != plan.shape:
         return result(SHAPE, f"GGUF shape {list(found_shape)} (numpy order), expected {list(plan.shape)}")
     problem = _type_problem(plan, qtype, want)
+    if plan.name in intended and intended[plan.name] != qtype.name:
+        problem = f"GGUF type {qtype.name}, the conversion intended {intended[plan.name]}"
     if problem:
         return result(TYPE, problem)
     exact = qtype == want
@@ -450,8 +453,13 @@ def select_layers(cfg: K3Config, layers: Iterable[int] | None) -> tuple[int, ...
 
 
 def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
-                      include_globals: bool = True) -> Iterator[TensorDiff]:
-    """Per tensor verdicts in file order, then the GGUF's unexpected tensors (stop early at will)."""
+                      include_globals: bool = True, intended_types: Mapping[str, str] | None = None,
+                      ) -> Iterator[TensorDiff]:
+    """Per tensor verdicts in file order, then the GGUF's unexpected tensors (stop early at will).
+
+    `intended_types` (GGUF name -> GGML type name, e.g. from the quantization rules) makes any other
+    type a `type` difference; without it every type with a known error bound is compared.
+    """
     model_dir, gguf_path = Path(model_dir), Path(gguf_path)
     cfg = load_config(model_dir)
     chosen = set(select_layers(cfg, layers))
@@ -466,7 +474,7 @@ def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iter
         if plan.name not in gguf.tensors:
             yield TensorDiff(plan.name, plan.layer, MISSING, "in the plan, not in the GGUF")
         else:
-            yield _diff_one(ckpt, gguf, cfg, plan)
+            yield _diff_one(ckpt, gguf, cfg, plan, intended_types or {})
     for name, t in gguf.tensors.items():
         layer = gguf_layer(name)
         in_scope = layer in chosen or (layer is None and include_globals) or (layer or 0) >= cfg.num_layers
@@ -476,11 +484,11 @@ def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iter
 
 
 def diff_gguf(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
-              include_globals: bool = True) -> DiffReport:
+              include_globals: bool = True, intended_types: Mapping[str, str] | None = None) -> DiffReport:
     """Compare every GGUF tensor of `layers` (None: all) and, if asked, the globals with the checkpoint."""
     cfg = load_config(model_dir)
     report = DiffReport(str(model_dir), str(gguf_path), select_layers(cfg, layers))
-    report.tensors.extend(iter_tensor_diffs(model_dir, gguf_path, report.layers, include_globals))
+    report.tensors.extend(iter_tensor_diffs(model_dir, gguf_path, report.layers, include_globals, intended_types))
     return report
 
 

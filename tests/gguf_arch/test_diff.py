@@ -207,6 +207,28 @@ def test_widened_to_f32_is_within_the_zero_bound(tmp_path, k3_tiny_dir, k3_tiny_
     assert by_name(report)[name].status == MISMATCH
 
 
+def test_intended_types_make_a_retyped_tensor_a_difference(tmp_path, k31pro_tiny_dir, k31pro_tiny_gguf):
+    """indexer.proj must stay F32 (contract section 5): BF16 is within bound, but not what was intended."""
+    name = "blk.3.indexer.proj.weight"
+    narrowed = quantize(_values(k31pro_tiny_gguf, name), Q.BF16)
+    out = rewritten_copy(k31pro_tiny_gguf, tmp_path / "bf16.gguf", {name: (narrowed, Q.BF16)})
+    assert by_name(diff_gguf(k31pro_tiny_dir, out, layers=[3]))[name].status == WITHIN_BOUND
+    got = by_name(diff_gguf(k31pro_tiny_dir, out, layers=[3], intended_types={name: "F32"}))[name]
+    assert got.status == TYPE and got.detail == "GGUF type BF16, the conversion intended F32"
+    assert by_name(diff_gguf(k31pro_tiny_dir, k31pro_tiny_gguf, layers=[3], intended_types={name: "F32"}))[name].ok
+
+
+def test_gate_and_up_experts_swapped_are_named(tmp_path, k3_tiny_dir, k3_tiny_gguf, k3_baseline):
+    """w1 -> gate, w3 -> up: a converter that maps them the other way fails on every expert of both."""
+    gate, up = "blk.5.ffn_gate_exps.weight", "blk.5.ffn_up_exps.weight"
+    swapped = {gate: (tensor_info(k3_tiny_gguf, up).data, Q.MXFP4), up: (tensor_info(k3_tiny_gguf, gate).data, Q.MXFP4)}
+    got = by_name(diff_gguf(k3_tiny_dir, rewritten_copy(k3_tiny_gguf, tmp_path / "gu.gguf", swapped)))
+    for name in (gate, up):
+        assert [m.unit for m in got[name].mismatches] == [f"expert {e}" for e in range(N_EXPERTS)]
+    assert {n: t.status for n, t in got.items() if n not in (gate, up)} == {
+        n: s for n, s in k3_baseline.items() if n not in (gate, up)}
+
+
 def test_type_without_a_bound_is_a_type_difference(tmp_path, k3_tiny_dir, k3_tiny_gguf):
     name = "blk.1.ffn_routed_up.weight"
     q4 = quantize(_values(k3_tiny_gguf, name), Q.Q4_0)
