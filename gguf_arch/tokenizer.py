@@ -117,9 +117,14 @@ def _parse_rank_line(path: Path, lineno: int, line: str) -> tuple[bytes, int]:
         raise TokenizerError(f"{path}: line {lineno}: {fields[0][:40]!r} is not valid base64") from None
     if not token:
         raise TokenizerError(f"{path}: line {lineno}: empty token")
-    if not fields[1].isdigit():
+    if not _is_decimal(fields[1]):
         raise TokenizerError(f"{path}: line {lineno}: rank must be a non-negative integer, got {fields[1]!r}")
     return token, int(fields[1])
+
+
+def _is_decimal(text: str) -> bool:
+    # str.isdigit alone accepts "²" and other digits int() refuses.
+    return text.isascii() and text.isdigit()
 
 
 def read_special_tokens(path: Path, n_ranks: int, vocab_size: int) -> SpecialTokens:
@@ -130,7 +135,7 @@ def read_special_tokens(path: Path, n_ranks: int, vocab_size: int) -> SpecialTok
         raise TokenizerError(f"{path}: added_tokens_decoder must be a non-empty object of id -> token")
     by_id: dict[int, str] = {}
     for key, entry in block.items():
-        if not (isinstance(key, str) and key.isdigit()):
+        if not _is_decimal(key):
             raise TokenizerError(f"{path}: added_tokens_decoder key {key!r} is not a token id")
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, str) or not content or not _is_utf8(content):

@@ -188,6 +188,11 @@ BAD_INPUTS = {
     "wrong field count": (lambda m: _edit_ranks(m, lambda ls: ls + ["QUJD"]), "expected 'base64-token rank'"),
     "rank not a number": (lambda m: _edit_ranks(m, lambda ls: ls[:-1] + [f"{_b64(b'qqq')} x"]),
                           "rank must be a non-negative integer"),
+    "rank a superscript digit": (lambda m: _edit_ranks(m, lambda ls: ls[:-1] + [f"{_b64(b'qqq')} 6\u00b2"]),
+                                 "rank must be a non-negative integer, got '6\u00b2'"),
+    "special id not decimal": (
+        lambda m: _edit_config(m, lambda c: c["added_tokens_decoder"].update({"9\u00b2": {"content": "<x>"}})),
+        "added_tokens_decoder key '9\u00b2' is not a token id"),
     "duplicate rank": (lambda m: _edit_ranks(m, lambda ls: ls + [f"{_b64(b'zzzq')} 655"]), "rank 655 appears twice"),
     "duplicate token": (lambda m: _edit_ranks(m, lambda ls: ls + [f"{ls[300].split()[0]} 656"]), "appears twice"),
     "gap in ranks": (lambda m: _edit_ranks(m, lambda ls: ls[:400] + ls[401:]),
