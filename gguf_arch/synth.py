@@ -136,8 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT_DIR")
     p.add_argument("--dry-run", action="store_true", help="print the shard plan, write nothing")
     dims = p.add_argument_group("dimensions (override the preset)")
-    for key, (_, field) in DIMENSIONS.items():
-        dims.add_argument(f"--{key}", type=_non_negative, metavar="N", help=field)
+    for key, (section, field) in DIMENSIONS.items():
+        dims.add_argument(f"--{key}", type=_non_negative, metavar="N",
+                          help=f"{field} (k31pro only)" if section == "index" else field)
     return p
 
 

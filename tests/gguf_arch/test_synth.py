@@ -30,7 +30,7 @@ from gguf_arch.safetensors_write import StreamedTensor, write_safetensors
 from gguf_arch.synth import INDEX_FILE, main, plan_checkpoint, write_checkpoint
 from gguf_arch.synth_config import LARGE, SPECIAL_OFFSETS, TINY
 from gguf_arch.synth_tokenizer import ranks_for_vocab
-from gguf_arch.synth_weights import ROW_INIT, mxfp4_scale_range
+from gguf_arch.synth_weights import ROW_INIT, mxfp4_scale_range, to_bf16
 from gguf_arch.tensors import SKIP_PREFIXES, TEXT_PREFIX, plan_tensors, specs_by_gguf_template
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,6 +203,15 @@ def test_values_are_finite_with_exact_a_log_padding_and_sane_scales(odd):
             assert v.min() >= lo and v.max() <= hi and 110 <= lo and hi <= 127, name
         if name.endswith("weight_packed"):
             assert len(np.unique(v & 0xF)) == 16, name  # every E2M1 code occurs, -0 included
+
+
+def test_bf16_rounds_to_nearest_even_like_torch():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(20_000) * 10.0 ** rng.integers(-8, 8, 20_000)).astype(np.float32)
+    halfway = (rng.integers(0, 0x7F7F, 2_000, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # finite exact ties
+    x = np.concatenate([x, halfway, -halfway])
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(to_bf16(x), want)
 
 
 def _stats_by_template(model: Path) -> dict[str, tuple[float, float]]:
