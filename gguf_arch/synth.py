@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
                         "4 layers, 64 experts (~9 GB)")
     p.add_argument("--variant", choices=VARIANTS, default="k31pro",
                    help="k31pro adds the DSA index_* fields and indexer tensors (default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT_DIR")
     p.add_argument("--dry-run", action="store_true", help="print the shard plan, write nothing")
     dims = p.add_argument_group("dimensions (override the preset)")
