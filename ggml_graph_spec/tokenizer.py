@@ -173,8 +173,8 @@ def _pair_ranks(merges: Sequence[str], id_of: dict[str, int]) -> dict[tuple[str,
         ranks.setdefault((left, right), i)
     missing = [b for b, c in byte_to_unicode().items() if c not in id_of]
     if missing:
-        raise GGUFError(f"{Keys.Tokenizer.LIST} lacks {len(missing)} single-byte token(s), e.g. byte 0x{missing[0]:02x}: "
-                        "byte-level BPE needs all 256")
+        raise GGUFError(f"{Keys.Tokenizer.LIST} lacks {len(missing)} single-byte token(s), "
+                        f"e.g. byte 0x{missing[0]:02x}: byte-level BPE needs all 256")
     return ranks
 
 
