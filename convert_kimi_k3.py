@@ -38,8 +38,7 @@ def _run(args: argparse.Namespace, log) -> None:
         if args.print_tensor_types:
             print("\n".join([source, *types.log, *format_tensor_types(types)]))
         if args.export_quantize_rules:
-            write_quantize_rules(args.export_quantize_rules, types)
-            log(f"wrote llama-quantize rules to {args.export_quantize_rules}")
+            log(write_quantize_rules(args.export_quantize_rules, types))
     if not args.print_tensor_types:
         convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant, log=log)
 

@@ -158,11 +158,16 @@ def quantize_rules_lines(resolution: Resolution) -> list[str]:
     return lines
 
 
-def write_quantize_rules(path: Path, resolution: Resolution) -> None:
+def write_quantize_rules(path: Path, resolution: Resolution) -> str:
+    """Write the export; returns the line that says how to use it with llama-quantize."""
     try:
         path.write_text("".join(line + "\n" for line in quantize_rules_lines(resolution)), encoding="utf-8")
     except OSError as exc:
         raise OutputError(f"{path}: cannot write the llama-quantize rules: {exc.strerror or exc}") from None
+    return (f"wrote llama-quantize rules to {path}: pass them before your own rules, llama-quantize "
+            f"--tensor-type-file {path} [--tensor-type ...] IN.gguf OUT.gguf TYPE (the first matching rule "
+            "wins; builds where the last match wins need the file last); llama-quantize applies --tensor-type "
+            "rules only when TYPE is a quantized type, not for F16/BF16/F32")
 
 
 # config.json `dtype` / `torch_dtype` -> safetensors dtype, for listing types without shards.
