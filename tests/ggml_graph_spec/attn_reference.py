@@ -83,13 +83,14 @@ def indexer_scores(cfg: K3Config, W: dict, x: np.ndarray) -> np.ndarray:
     return np.where(np.tril(np.ones((T, T), bool)), score, -np.inf)
 
 
-def select(scores: np.ndarray, top_k: int) -> list[np.ndarray]:
-    """Per query t: the min(top_k, t+1) positions s <= t with the highest scores, ties -> lower
-    position (a stable sort of the negated scores), ascending."""
+def select(scores: np.ndarray, top_k: int, n_past: int = 0) -> list[np.ndarray]:
+    """Per query t (at position n_past + t): the min(top_k, visible) visible positions with the
+    highest scores, ties -> lower position (a stable sort of the negated scores), ascending."""
     out = []
     for t, row in enumerate(scores):
-        order = np.argsort(-row[: t + 1], kind="stable")
-        out.append(np.sort(order[: min(top_k, t + 1)]))
+        visible = n_past + t + 1
+        order = np.argsort(-row[:visible], kind="stable")
+        out.append(np.sort(order[: min(top_k, visible)]))
     return out
 
 

@@ -78,18 +78,11 @@ def _run_selection(scores: np.ndarray, n_past: int, top_k: int, cfg, layer) -> n
 
 
 def _reference_mask(scores: np.ndarray, n_past: int, top_k: int) -> np.ndarray:
-    """Contract section 3 for queries at positions n_past..: a stable sort decides the ties."""
-    out = np.full(scores.shape, -np.inf, np.float32)
-    for t, row in enumerate(scores):
-        visible = n_past + t + 1
-        keep = np.argsort(-row[:visible], kind="stable")[: min(top_k, visible)]
-        out[t, keep] = 0.0
-    return out
+    return ref.selection_mask(ref.select(scores, top_k, n_past), scores.shape[1]).astype(np.float32)
 
 
 def _masked(values: np.ndarray, n_past: int) -> np.ndarray:
-    T, n_kv = values.shape
-    return (values + causal_mask(n_past, T)).astype(np.float32)
+    return (values + causal_mask(n_past, values.shape[0])).astype(np.float32)
 
 
 # ggml's CPU sorts (std::sort) fall back to a stable insertion sort below 16 elements, so rows
