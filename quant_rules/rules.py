@@ -22,6 +22,7 @@ A type whose block does not divide a tensor's row length falls back, as llama.cp
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -162,10 +163,7 @@ class Decision:
     @property
     def nbytes(self) -> int:
         block, size = GGML_QUANT_SIZES[self.final_type]
-        rows = 1
-        for d in self.shape[:-1]:
-            rows *= d
-        return rows * self.shape[-1] // block * size
+        return math.prod(self.shape[:-1]) * (self.shape[-1] // block) * size
 
 
 @dataclass(frozen=True)
