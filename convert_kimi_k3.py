@@ -2,8 +2,10 @@
 
     python convert_kimi_k3.py MODEL_DIR OUT.gguf [--overwrite] [--no-dsa] [--quiet] [type options]
     python convert_kimi_k3.py MODEL_DIR --print-tensor-types [type options]
+    python convert_kimi_k3.py --verify OUT.gguf MODEL_DIR
 
-Exit codes: 0 ok, 2 bad input, 1 runtime failure (I/O, disk full, output exists), 130 Ctrl-C.
+Exit codes: 0 ok, 2 bad input, 1 runtime failure (I/O, disk full, output exists; with --verify:
+the first difference from the manifest or the checkpoint), 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from gguf_arch.convert import convert
 from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, KimiError
+from gguf_arch.integrity import verify
 from quant_rules.cli_options import (add_quant_arguments, format_tensor_types, listing_resolution, quant_options,
                                      requantize_warning, write_quantize_rules)
 
@@ -25,11 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dsa", action="store_true",
                    help="convert a K3.1-Pro checkpoint as plain kimi-k3 (no indexer keys or tensors)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--verify", type=Path, metavar="OUT.gguf",
+                   help="re-check OUT.gguf against its .sha256.json manifest and every tensor against MODEL_DIR")
     add_quant_arguments(p)
     return p
 
 
 def _run(args: argparse.Namespace, log) -> None:
+    if args.verify:
+        verify(args.verify, args.model_dir, log)
+        return
     quant = quant_options(args)
     if quant.requantize_experts is not None:
         print(requantize_warning(quant.requantize_experts), file=sys.stderr)
@@ -46,7 +54,9 @@ def _run(args: argparse.Namespace, log) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.out is None and not args.print_tensor_types:
+    if args.verify and args.out is not None:
+        parser.error("--verify takes OUT.gguf MODEL_DIR and no second output")
+    if args.out is None and not args.print_tensor_types and not args.verify:
         parser.error("the output file OUT is required unless --print-tensor-types is given")
     log = (lambda _msg: None) if args.quiet else print
     try:
