@@ -10,10 +10,12 @@ semantics (tools/quantize/quantize.cpp and src/llama-quant.cpp in llama.cpp):
 
 * `--token-embedding-type` / `--output-tensor-type` decide `token_embd.weight` / `output.weight`
   before any pattern is looked at;
-* `--tensor-type PATTERN=TYPE` rules are tried in the order given; PATTERN is lower-cased and
-  *searched* (not fully matched) in the tensor name as a regular expression; the first rule that
-  matches decides (current llama.cpp: the loop stops at the first match; builds before that
-  change let the last match win);
+* `--tensor-type PATTERN=TYPE` rules are tried in the order given (command line, then files);
+  PATTERN is lower-cased (parse_tensor_type) and *searched*, not fully matched, in the tensor name
+  (std::regex_search, ECMAScript syntax); the first rule that matches decides. That is current
+  llama.cpp: llama_tensor_get_type breaks out of its loop at the first hit. Older builds had no
+  break ("if two or more types are specified for the same tensor, the last match wins"), so the
+  exported protection rules say where to put them for either;
 * otherwise `--outtype` (auto keeps the source precision, as convert_hf_to_gguf.py does).
 
 A type whose block does not divide a tensor's row length falls back, as llama.cpp does, to F16
