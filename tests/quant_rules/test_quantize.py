@@ -7,6 +7,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
@@ -127,3 +129,15 @@ def test_error_meter_reports_the_relative_error():
     want = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     assert meter.relative == pytest.approx(want, rel=1e-9)
     assert 0 < meter.relative < 0.01
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 4), chunk=st.integers(1, 5000), batch_rows=st.integers(1, 5),
+       src=st.sampled_from([Q.F32, Q.F16, Q.BF16, Q.MXFP4]), dst=st.sampled_from(WRITABLE_TYPES))
+def test_any_chunking_gives_the_whole_tensor_bytes(rows, blocks, chunk, batch_rows, src, dst):
+    cols = 32 * blocks
+    raw = encode_rows(_weights(rows + 3, cols, seed=rows), src).tobytes()  # rows 1-2: zeros, an outlier
+    whole = encode_rows(decode_rows(src, np.frombuffer(raw, np.uint8), cols), dst).tobytes()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quantize, "BATCH_VALUES", batch_rows * cols)
+        assert b"".join(bytes(c) for c in reencode(_chunks(raw, chunk), src, dst, cols)) == whole
