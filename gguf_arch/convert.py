@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as T
@@ -16,7 +16,7 @@ from gguf import GGUFValueType as T
 from .config import K3Config, load_config
 from .errors import CheckpointError
 from .keys import ARCH, FILE_TYPE_MXFP4_MOE, QUANTIZATION_VERSION, model_keys
-from .safetensors_index import TensorMeta, open_checkpoint
+from .safetensors_index import Checkpoint, TensorMeta, open_checkpoint
 from .tensors import OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
 from .tokenizer import tokenizer_metadata
 from .transforms import SAME_BYTES, tensor_chunks
@@ -132,6 +132,13 @@ def gguf_metadata(cfg: K3Config, model_dir: Path) -> list[KV]:
     ]
 
 
+def _releasing(chunks: Iterable, ckpt: Checkpoint) -> Iterator:
+    """Pass chunks through; once one is written, drop the source pages it came from (bounded RSS)."""
+    for chunk in chunks:
+        yield chunk
+        ckpt.release_pages()
+
+
 def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
             quant: QuantOptions = QuantOptions(), log: Callable[[str], None] = print) -> Ledger:
     """Convert a checkpoint directory to one GGUF file; returns the ledger counts."""
@@ -151,7 +158,8 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
         layout = GGUFLayout(ARCH, kv, final_outputs(types))
         by_name = {p.output.name: p.tensor for p in plan.outputs}
         decided = {d.name: d for d in types.decisions}
-        write_gguf(out, layout, lambda t: final_chunks(
-            decided[t.name], tensor_chunks(by_name[t.name], decided[t.name].contract_type, ckpt.read), log), overwrite)
+        write_gguf(out, layout, lambda t: _releasing(final_chunks(
+            decided[t.name], tensor_chunks(by_name[t.name], decided[t.name].contract_type, ckpt.read), log),
+            ckpt), overwrite)
     log(f"wrote {out}")
     return plan.ledger

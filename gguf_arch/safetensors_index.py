@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,27 +160,42 @@ class Checkpoint:
     def __init__(self, model_dir: Path, entries: dict[str, TensorEntry]):
         self.model_dir = model_dir
         self.entries = entries
-        self._maps: dict[str, np.memmap] = {}
+        self._maps: dict[str, mmap.mmap] = {}
 
     @property
     def metas(self) -> dict[str, TensorMeta]:
         return {name: e.meta for name, e in self.entries.items()}
 
+    def _map(self, shard: str) -> mmap.mmap:
+        mm = self._maps.get(shard)
+        if mm is None:
+            with open(self.model_dir / shard, "rb") as f:
+                mm = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return mm
+
     def array(self, name: str) -> np.ndarray:
         """A read-only view of the tensor's stored bytes as its numpy dtype (BF16 as uint16)."""
         e = self.entries[name]
-        mm = self._maps.get(e.shard)
-        if mm is None:
-            mm = self._maps[e.shard] = np.memmap(self.model_dir / e.shard, dtype=np.uint8, mode="r")
         dt = NUMPY_DTYPES[e.meta.dtype]
-        return mm[e.start:e.start + e.nbytes].view(dt).reshape(e.meta.shape)
+        return np.frombuffer(self._map(e.shard), dtype=dt, count=e.nbytes // dt.itemsize,
+                             offset=e.start).reshape(e.meta.shape)
 
     def read(self, name: str) -> tuple[str, np.ndarray]:
         """(safetensors dtype, view): the reader the transforms take."""
         return self.entries[name].meta.dtype, self.array(name)
 
+    def release_pages(self) -> None:
+        """Unmap this process's resident pages of every shard; they stay in the page cache.
+
+        Pages of a mapping read so far count in the process's RSS until unmapped, so without this
+        the RSS of a conversion would grow to the size of the model. Views stay valid: a page
+        touched again is faulted back in from the file.
+        """
+        for mm in self._maps.values():
+            mm.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
-        """Drop the memory maps (views handed out keep their own reference)."""
+        """Drop the maps; one still viewed by an array is unmapped when that array goes."""
         self._maps.clear()
 
     def __enter__(self) -> "Checkpoint":

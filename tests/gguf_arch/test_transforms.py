@@ -49,12 +49,16 @@ def test_bf16_widening_is_exact_for_every_bit_pattern():
     assert np.array_equal(np.isnan(got), np.isnan(want))
 
 
-def test_neg_exp_heads_takes_the_head_entries():
-    a_log = np.array([0.5, -1.0, 2.0, 0.0, 0.0, 0.0], dtype=np.float32)
-    pt = _pt("blk.{l}.ssm_a", (3,), (("A", (6,)),))
+def test_neg_exp_heads_is_the_correctly_rounded_f32_of_the_head_entries():
+    a_log = np.zeros(64, dtype=np.float32)
+    a_log[:48] = np.random.default_rng(5).uniform(-3, 3, 48)
+    pt = _pt("blk.{l}.ssm_a", (48,), (("A", (64,)),))
     out = np.frombuffer(_bytes(tensor_chunks(pt, Q.F32, _reader({"A": ("F32", a_log)}))), np.float32)
-    assert np.array_equal(out, -np.exp(a_log[:3]))
-    assert np.allclose(out, -np.exp(a_log[:3].astype(np.float64)), rtol=2 ** -23, atol=0)
+    exact = -np.exp(a_log[:48].astype(np.float64))
+    assert np.array_equal(out, exact.astype(np.float32))
+    # The nearest f32: no other f32 is closer to the float64 value.
+    for direction in (np.inf, -np.inf):
+        assert np.all(np.abs(np.nextafter(out, direction).astype(np.float64) - exact) >= np.abs(out - exact))
 
 
 def test_neg_exp_heads_refuses_a_nonzero_padding_tail_naming_the_tensor():
