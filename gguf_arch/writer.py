@@ -98,6 +98,15 @@ def _write_data(fout, layout: GGUFLayout, alignment: int, chunks_for: Callable[[
     _pad(fout, alignment)
 
 
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor], Iterable],
                overwrite: bool = False) -> None:
     """Write `layout` to `out`, pulling each tensor's bytes from `chunks_for` in layout order."""
@@ -118,6 +127,7 @@ def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor
             w.close()
         check_output(out, overwrite)
         os.replace(tmp, out)
+        _fsync_dir(out.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OutputError(f"writing {out} failed: {exc}") from None
