@@ -34,8 +34,8 @@ def indexer_key(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
 
 
 def head_weights(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
-    """w = (indexer.proj x) * H_I^-0.5 * D_I^-0.5, ne [H_I, T]; scaled twice as the contract
-    writes it, so the scores round like the reference's."""
+    """w = (indexer.proj x) * H_I^-0.5 * D_I^-0.5, ne [H_I, T], the two factors applied in the
+    contract's order."""
     ix = g.cfg.indexer
     ctx = g.ctx
     hw = g.mm(w("indexer.proj.weight"), x)
