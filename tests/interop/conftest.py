@@ -1,8 +1,9 @@
 """llama.cpp (llama-cpp-python 0.3.36, the `interop` extra) and the GGUFs it is given.
 
-Every test here is skipped, with the reason, when llama_cpp cannot be imported. llama.cpp's own
-log goes through a callback that keeps it out of the test output and lets a test read what
-llama.cpp said (the only place its load errors are spelled out).
+Every test here is skipped, with the reason, when llama_cpp cannot be imported (each module
+carries `pytestmark = requires_llama_cpp`). llama.cpp's own log goes through a callback that
+keeps it out of the test output and lets a test read what llama.cpp said (the only place its
+load errors are spelled out).
 """
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import pytest
 
 import convert_kimi_k3
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (extra 'interop') is not installed")
+try:
+    import llama_cpp
+except (ImportError, OSError) as exc:  # OSError: the wheel's shared libraries failed to load
+    llama_cpp = None
+    _MISSING = f"llama_cpp cannot be imported ({exc}); install the 'interop' extra"
+else:
+    _MISSING = ""
+
+requires_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason=_MISSING)
 
 GGML_TYPE_F32 = 0  # ggml.h enum ggml_type; type_k / type_v of a llama.cpp context
 GGML_LOG_LEVEL_ERROR = 4

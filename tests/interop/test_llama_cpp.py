@@ -11,7 +11,9 @@ import pytest
 
 from ggml_graph_spec.model import Model
 
-from .conftest import GGML_TYPE_F32, llama_greedy, llama_logits
+from .conftest import GGML_TYPE_F32, llama_greedy, llama_logits, requires_llama_cpp
+
+pytestmark = requires_llama_cpp
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:

@@ -11,6 +11,10 @@ from ggml_graph_spec.tokenizer import BPETokenizer
 from tests.gguf_arch.synthetic_bpe import multilingual_corpus, train_bpe
 from tests.ggml_graph_spec.test_tokenizer import MULTILINGUAL, fixture_encoding
 
+from .conftest import requires_llama_cpp
+
+pytestmark = requires_llama_cpp
+
 TEXT = "[BOS]" + MULTILINGUAL + "<|end_of_msg|><|open|>x"
 SPECIALS = ("[BOS]", "<|end_of_msg|>", "<|open|>")
 
