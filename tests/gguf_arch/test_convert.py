@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import errno
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -234,17 +236,40 @@ def test_cli_as_a_script_and_peak_rss(k31pro_tiny_dir, tmp_path):
     assert (tmp_path / "cli.gguf").stat().st_size > 1_700_000
 
 
-@linux_only
-def test_peak_rss_does_not_grow_with_model_size(tmp_path):
-    """A ~210 MB checkpoint converts in about the RSS of the 2 MB fixture: tensor bytes are streamed
-    from the mmap and its pages are unmapped after each chunk (measured 45 MiB for 425 MB)."""
+@pytest.fixture(scope="module")
+def synthetic_210mb(tmp_path_factory) -> Path:
+    """A K3.1-Pro checkpoint of about 210 MB from the project's synthetic generator."""
     dims = dict(PRESETS["tiny"], layers=4, hidden=1024, intermediate=2048, experts=32, **{
         "moe-intermediate": 1024, "latent": 1024, "kda-heads": 8, "kda-head-dim": 128, "mla-heads": 8,
         "q-lora": 256, "kv-lora": 128, "qk-nope": 64, "qk-rope": 32, "v-head-dim": 64,
         "index-heads": 8, "index-head-dim": 64})
     plan = plan_checkpoint(dims, "k31pro", seed=1)
-    write_checkpoint(plan, tmp_path / "model")
     assert plan.total_size > 200 * 2 ** 20
-    rss_kb = _peak_rss_kb(tmp_path / "model", tmp_path / "big.gguf")
+    out = tmp_path_factory.mktemp("synth") / "model"
+    write_checkpoint(plan, out)
+    return out
+
+
+@linux_only
+def test_peak_rss_does_not_grow_with_model_size(synthetic_210mb, tmp_path):
+    """The 210 MB checkpoint converts in about the RSS of the 2 MB fixture: tensor bytes are streamed
+    from the mmap and its pages are unmapped after each chunk (measured 45 MiB for 425 MB)."""
+    rss_kb = _peak_rss_kb(synthetic_210mb, tmp_path / "big.gguf")
     assert rss_kb < 120 * 1024, rss_kb
     assert (tmp_path / "big.gguf").stat().st_size > 200 * 2 ** 20
+
+
+def test_real_ctrl_c_mid_write_removes_the_partial_file(synthetic_210mb, tmp_path):
+    out = tmp_path / "big.gguf"
+    proc = subprocess.Popen([sys.executable, "convert_kimi_k3.py", str(synthetic_210mb), str(out), "--quiet"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / "big.gguf.partial"
+    deadline = time.monotonic() + 60
+    while not (partial.exists() and partial.stat().st_size > 1 << 20) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err == "error: interrupted; no output written\n"
+    assert list(tmp_path.iterdir()) == []
