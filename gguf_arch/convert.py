@@ -28,7 +28,10 @@ MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")
 
 
 def output_type(pt: PlannedTensor, source_dtype: str) -> Q:
-    """The GGML type of one output tensor: the single place that decides it."""
+    """The contract GGML type of one output tensor: the single place that decides it.
+
+    quant_rules may later re-type tensors the contract does not protect, at a user's request.
+    """
     if pt.spec.out == OUT_MXFP4:
         return Q.MXFP4
     if pt.spec.out == OUT_F32:
