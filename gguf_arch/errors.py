@@ -8,16 +8,27 @@ Exit codes (documented in README.md):
 """
 from __future__ import annotations
 
+import re
+
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+
+# Everything str.splitlines() breaks on, and the other C0/C1 controls (a terminal escape in a tensor
+# name must not recolour or rewrite the user's terminal).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class KimiError(Exception):
     """Base class: the message is a complete one-line explanation."""
 
     exit_code = EXIT_BAD_INPUT
+
+    def __str__(self) -> str:
+        # Messages quote names and values taken from the input; escaping their control characters
+        # keeps the promise of one line whatever a hostile file contains.
+        return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), super().__str__())
 
 
 class ConfigError(KimiError):
