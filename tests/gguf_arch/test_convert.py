@@ -24,7 +24,7 @@ from gguf_arch.synth import plan_checkpoint, write_checkpoint
 from gguf_arch.synth_config import PRESETS
 from gguf_arch.tensors import OUT_SOURCE, plan_tensors
 
-from .checkpoint_edit import as_f32, source_array
+from .checkpoint_edit import EditableCheckpoint, as_f32, source_array
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -273,3 +273,21 @@ def test_real_ctrl_c_mid_write_removes_the_partial_file(synthetic_210mb, tmp_pat
     assert proc.returncode == 130
     assert err == "error: interrupted; no output written\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_optional_indexer_k_norm_bias_is_converted_to_f32(k31pro_tiny_dir, tmp_path):
+    ck = EditableCheckpoint(k31pro_tiny_dir, tmp_path / "model")
+    name = "language_model.model.layers.7.self_attn.indexer.k_norm.bias"
+    bias = np.linspace(-1, 1, 16, dtype=np.float32)
+    ck.add(name, "BF16", [16], _bf16_bytes(bias), "model-00008-of-000016.safetensors")
+    out = tmp_path / "bias.gguf"
+    ledger = convert(ck.dir, out, log=lambda _m: None)
+    assert (ledger.consumed, ledger.written) == (933, 370)
+    r = _reader(out)
+    assert [t.tensor_type for t in r.tensors if t.name == "blk.7.indexer.k_norm.bias"] == [Q.F32]
+    assert np.array_equal(_f32(r, "blk.7.indexer.k_norm.bias"), as_f32(*source_array(ck.dir, name)))
+    assert not any(t.name == "blk.3.indexer.k_norm.bias" for t in r.tensors)
+
+
+def _bf16_bytes(values: np.ndarray) -> bytes:
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
