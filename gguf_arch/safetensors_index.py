@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,7 @@ def _tensor_entry(shard: str, name: str, info: object, data_start: int) -> Tenso
         raise CheckpointError(f"{where}: corrupt safetensors header entry {info!r} "
                               "(expected dtype, shape, data_offsets)")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in NUMPY_DTYPES:
+    if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
         raise CheckpointError(f"{where}: unsupported safetensors dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: corrupt shape {shape!r} in the safetensors header")
@@ -154,12 +155,26 @@ def _check_layout(path: Path, size: int, entries) -> None:
                                   f"ends at byte {end}")
 
 
-class Checkpoint:
-    """Every tensor of a sharded checkpoint: metadata from the headers, data as mmap views."""
+Stamp = tuple[int, int, int]  # (inode, size, mtime ns) of a shard when its header was read
 
-    def __init__(self, model_dir: Path, entries: dict[str, TensorEntry]):
+
+def shard_stamp(path: Path) -> Stamp:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class Checkpoint:
+    """Every tensor of a sharded checkpoint: metadata from the headers, data as mmap views.
+
+    With `stamps`, each tensor read first re-stats its shard: a shard replaced, rewritten or
+    resized since its header was read (a download still running, a second copy) is refused
+    instead of converted from bytes the header no longer describes.
+    """
+
+    def __init__(self, model_dir: Path, entries: dict[str, TensorEntry], stamps: dict[str, Stamp] | None = None):
         self.model_dir = model_dir
         self.entries = entries
+        self.stamps = stamps or {}
         self._maps: dict[str, mmap.mmap] = {}
 
     @property
@@ -176,9 +191,23 @@ class Checkpoint:
     def array(self, name: str) -> np.ndarray:
         """A read-only view of the tensor's stored bytes as its numpy dtype (BF16 as uint16)."""
         e = self.entries[name]
+        self._check_unchanged(e.shard)
         dt = NUMPY_DTYPES[e.meta.dtype]
         return np.frombuffer(self._map(e.shard), dtype=dt, count=e.nbytes // dt.itemsize,
                              offset=e.start).reshape(e.meta.shape)
+
+    def _check_unchanged(self, shard: str) -> None:
+        want = self.stamps.get(shard)
+        if want is None:
+            return
+        path = self.model_dir / shard
+        try:
+            now = shard_stamp(path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: can no longer be read ({exc.strerror}) since its header was read") from None
+        if now != want:
+            raise CheckpointError(f"{path}: changed since its header was read (inode, size, mtime "
+                                  f"{want} -> {now}); is a download or copy still writing it?")
 
     def read(self, name: str) -> tuple[str, np.ndarray]:
         """(safetensors dtype, view): the reader the transforms take."""
@@ -210,7 +239,12 @@ def open_checkpoint(model_dir: Path | str) -> Checkpoint:
     model_dir = Path(model_dir)
     wmap = read_weight_map(model_dir)
     entries: dict[str, TensorEntry] = {}
+    stamps: dict[str, Stamp] = {}
     for shard in sorted(set(wmap.values())):
+        try:
+            stamps[shard] = shard_stamp(model_dir / shard)  # before the header: a later change shows
+        except OSError:
+            pass  # read_shard_header names the problem
         for name, entry in read_shard_header(model_dir / shard).items():
             listed = wmap.get(name)
             if listed != shard:
@@ -221,4 +255,4 @@ def open_checkpoint(model_dir: Path | str) -> Checkpoint:
     if absent:
         raise CheckpointError(f"{INDEX_FILE}: tensor {absent[0]} is mapped to {wmap[absent[0]]} but that "
                               f"shard's header does not contain it ({len(absent)} such tensor(s))")
-    return Checkpoint(model_dir, entries)
+    return Checkpoint(model_dir, entries, stamps)
