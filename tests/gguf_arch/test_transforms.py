@@ -12,15 +12,14 @@ from gguf_arch import transforms
 from gguf_arch.errors import CheckpointError
 from gguf_arch.mxfp4 import BLOCK_BYTES
 from gguf_arch.safetensors_index import open_checkpoint
-from gguf_arch.tensors import TABLE, specs_by_gguf_template
+from gguf_arch.tensors import TABLE, PlannedTensor, specs_by_gguf_template
 from gguf_arch.transforms import TRANSFORMS, tensor_chunks, to_f32
 
 from .checkpoint_edit import write_shard
 
 
 def _pt(template: str, shape: tuple, sources: tuple):
-    """A PlannedTensor-like row for a table spec with concrete names and shapes."""
-    from gguf_arch.tensors import PlannedTensor
+    """A planned row of a table spec with concrete names and shapes."""
     return PlannedTensor(specs_by_gguf_template()[template], 0, template.format(l=0), shape, sources)
 
 
