@@ -27,6 +27,8 @@ from .errors import CheckpointError
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own limit on the JSON header; a larger length field means a corrupt file.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Shards whose pages `Checkpoint.release_pages` drops: an output tensor reads at most two shards.
+RECENT_SHARDS = 2
 
 # safetensors dtype -> numpy dtype of the stored bytes. BF16 has no numpy type: its raw
 # 16-bit patterns are handed out as uint16 and widened by `transforms.to_f32`.
@@ -176,6 +178,7 @@ class Checkpoint:
         self.entries = entries
         self.stamps = stamps or {}
         self._maps: dict[str, mmap.mmap] = {}
+        self._recent: list[str] = []  # the shards read most recently, newest last
 
     @property
     def metas(self) -> dict[str, TensorMeta]:
@@ -186,6 +189,9 @@ class Checkpoint:
         if mm is None:
             with open(self.model_dir / shard, "rb") as f:
                 mm = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if shard in self._recent:
+            self._recent.remove(shard)
+        self._recent = [*self._recent[-(RECENT_SHARDS - 1):], shard]
         return mm
 
     def array(self, name: str) -> np.ndarray:
@@ -218,14 +224,16 @@ class Checkpoint:
 
         Pages of a mapping read so far count in the process's RSS until unmapped, so without this
         the RSS of a conversion would grow to the size of the model. Views stay valid: a page
-        touched again is faulted back in from the file.
+        touched again is faulted back in from the file. Only the recently read shards can hold
+        pages: an older one was released after its last chunk, when it was still recent.
         """
-        for mm in self._maps.values():
-            mm.madvise(mmap.MADV_DONTNEED)
+        for shard in self._recent:
+            self._maps[shard].madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         """Drop the maps; one still viewed by an array is unmapped when that array goes."""
         self._maps.clear()
+        self._recent.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self
