@@ -17,6 +17,7 @@ import convert_kimi_k3
 
 try:
     import llama_cpp
+    import llama_cpp._ggml  # llama-cpp-python's ctypes handle on its own ggml
 except (ImportError, OSError) as exc:  # OSError: the wheel's shared libraries failed to load
     llama_cpp = None
     _MISSING = f"llama_cpp cannot be imported ({exc}); install the 'interop' extra"
@@ -45,9 +46,10 @@ class LlamaLog:
         return [t.strip() for level, t in self.lines if level == GGML_LOG_LEVEL_ERROR]
 
 
-@pytest.fixture(scope="session")
-def llama_log() -> LlamaLog:
-    return LlamaLog()
+@pytest.fixture(scope="session", autouse=True)
+def llama_log() -> LlamaLog | None:
+    """Installed before any test here runs, so no llama.cpp call prints."""
+    return LlamaLog() if llama_cpp is not None else None
 
 
 @pytest.fixture
@@ -97,3 +99,39 @@ def k31pro_no_dsa_gguf(tmp_path_factory, k31pro_tiny_dir) -> Path:
 def k3_f32_gguf(tmp_path_factory, k3_tiny_dir) -> Path:
     """Every matrix and the routed experts in F32: nothing for llama.cpp to quantize on the fly."""
     return _convert(tmp_path_factory, k3_tiny_dir, "k3-f32.gguf", "--outtype", "f32", "--requantize-experts", "f32")
+
+
+def llama_named_outputs(path: Path, ids: list[int], names: set[str]) -> dict[str, np.ndarray]:
+    """The F32 graph tensors llama.cpp names `names` (e.g. "l_out-3"), read with the eval callback
+    while it decodes `ids` in one batch. Flat float32 arrays, in ggml's memory order."""
+    ggml = llama_cpp._ggml.libggml
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_nbytes.restype = ctypes.c_size_t
+    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    got: dict[str, np.ndarray] = {}
+
+    def collect(tensor, ask, _user_data) -> bool:
+        name = ggml.ggml_get_name(tensor).decode()
+        if ask:
+            return name in names
+        out = np.empty(ggml.ggml_nbytes(tensor) // 4, dtype=np.float32)
+        ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+        got[name] = out
+        return True
+
+    callback = llama_cpp.ggml_backend_sched_eval_callback(collect)
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = max(32, len(ids))
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.cb_eval = callback
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    try:
+        tokens = (llama_cpp.llama_token * len(ids))(*ids)
+        assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, len(ids))) == 0
+    finally:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return got

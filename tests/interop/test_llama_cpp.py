@@ -115,20 +115,40 @@ def test_greedy_tokens_equal_our_fast_path(load_llama, k3_tiny_gguf, k3_ref):
 
 
 def test_logits_agree_with_our_fast_path_position_by_position(load_llama, k3_tiny_gguf, k3_ref):
-    # Both runtimes round activations to BF16 (BF16 weights) and Q8 (MXFP4 experts) inside ggml's
-    # CPU matmul; they agree to ~1e-7 through the KDA layers, but llama.cpp normalises the MLA
-    # q/kv latents with rms_norm_eps (1e-5) where the reference and our graph use 1e-6. That
-    # 4.5e-6 relative nudge moves some values across a BF16/Q8 rounding step at the first MLA
-    # layer (8e-4 there) and the random fixture amplifies it ~10x per few layers: measured max
-    # |diff| 2.44 (21%) short, 2.16 (17%) long, against 1.55 (13%) between llama.cpp and the
-    # reference itself. What stays exact is every decision: the argmax at each position.
+    # Both runtimes round activations to BF16 (BF16 weights) and to 8 bits (MXFP4 experts) inside
+    # ggml's CPU matmul. Any fp32-level difference (op order, and llama.cpp's rms_norm_eps 1e-5
+    # for the MLA latent norms where the reference and our graph use 1e-6) sooner or later moves
+    # a value across one of those rounding steps (2^-8 relative for BF16), and the random fixture
+    # amplifies such a step ~10x every few layers. So the logits cannot agree tightly: measured
+    # max |diff| 3% to 21% of the largest logit depending on where the first flip falls (a one-ulp
+    # change of ssm_a in the converter moved the short prompt from 21% to 3%), about what
+    # llama.cpp's fast path is from the reference itself (14%-31%). The decisions agree: the argmax
+    # at each position (measured 12/12 and 92/96) and the greedy tokens (test above).
     m = Model.load(k3_tiny_gguf, n_ctx=128, n_threads=2)
     llm = load_llama(k3_tiny_gguf)
     try:
-        for prompt, min_agree in (("short", 1.0), ("long", 0.95)):  # measured 12/12 and 92/96
+        for prompt, min_agree in (("short", 1.0), ("long", 0.95)):
             ids = k3_ref[f"input_ids_{prompt}"].tolist()
             m.reset()
             ours, theirs = m.eval(ids), llama_logits(llm, ids)
             assert (ours.argmax(1) == theirs.argmax(1)).mean() >= min_agree
     finally:
         m.close()
+
+
+def test_fast_path_first_layer_equals_llama_cpp(k3_tiny_gguf, k3_ref):
+    # Same ggml kernels with the same rounding points (BF16 activations for the BF16 weights, the
+    # same gated-delta-net op for KDA): the partial sum P after layer 0 (KDA + dense SiTU MLP)
+    # agrees to fp32 summation-order noise, measured 4.8e-7 absolute (~1e-7 relative). Later
+    # layers agree only until the first activation crosses a BF16/8-bit rounding step (test
+    # above); on the current fixture GGUF that happens in layer 1's MoE (2e-3 relative there).
+    from .conftest import llama_named_outputs
+
+    ids = k3_ref["input_ids_short"].tolist()
+    theirs = llama_named_outputs(k3_tiny_gguf, ids, {"l_out-0"})["l_out-0"]
+    m = Model.load(k3_tiny_gguf, n_ctx=64, n_threads=2)
+    try:
+        ours = m.run(ids, want=("hidden",)).hidden[0]
+    finally:
+        m.close()
+    assert _rel(theirs.reshape(ours.shape), ours) < 1e-6
