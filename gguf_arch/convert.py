@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as T
 
 from .config import K3Config, load_config
-from .errors import CheckpointError
+from .errors import CheckpointError, KimiError
+from .integrity import TensorHasher, write_manifest
 from .keys import ARCH, FILE_TYPE_MXFP4_MOE, QUANTIZATION_VERSION, model_keys
 from .safetensors_index import Checkpoint, TensorMeta, open_checkpoint
 from .tensors import OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
@@ -142,10 +143,19 @@ def _releasing(chunks: Iterable, ckpt: Checkpoint) -> Iterator:
         ckpt.release_pages()
 
 
+def check_outside_model(model_dir: Path, out: Path) -> None:
+    """The output may not land in the model directory: --overwrite there could replace a shard
+    being read, and a stray GGUF among the shards is taken for part of the checkpoint."""
+    where = out.parent.resolve()
+    if where == model_dir.resolve() or model_dir.resolve() in where.parents:
+        raise KimiError(f"{out}: is inside the model directory {model_dir}; write the GGUF elsewhere")
+
+
 def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
             quant: QuantOptions = QuantOptions(), log: Callable[[str], None] = print) -> Ledger:
     """Convert a checkpoint directory to one GGUF file; returns the ledger counts."""
     model_dir, out = Path(model_dir), Path(out)
+    check_outside_model(model_dir, out)
     check_output(out, overwrite)
     cfg = load_config(model_dir)
     with open_checkpoint(model_dir) as ckpt:
@@ -161,8 +171,10 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
         layout = GGUFLayout(ARCH, kv, final_outputs(types))
         by_name = {p.output.name: p.tensor for p in plan.outputs}
         decided = {d.name: d for d in types.decisions}
-        write_gguf(out, layout, lambda t: _releasing(final_chunks(
+        hasher = TensorHasher()
+        write_gguf(out, layout, hasher.wrap(lambda t: _releasing(final_chunks(
             decided[t.name], tensor_chunks(by_name[t.name], decided[t.name].contract_type, ckpt.read), log),
-            ckpt), overwrite)
+            ckpt)), overwrite)
+    write_manifest(out, hasher.digests)
     log(f"wrote {out}")
     return plan.ledger

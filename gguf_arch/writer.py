@@ -64,7 +64,14 @@ def partial_path(out: Path) -> Path:
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse an existing output unless asked to replace it (checked before any work is done)."""
+    """Refuse an existing output unless asked to replace it (checked before any work is done).
+
+    A symbolic link at `out` counts as existing, even a dangling one. With --overwrite the link
+    itself is replaced (os.replace renames over the link): its target is never written.
+    """
+    if out.is_symlink() and not overwrite:
+        raise OutputError(f"{out}: is a symbolic link to {os.readlink(out)}; refusing to write through it "
+                          "(use --overwrite to replace the link itself; its target is never written)")
     if out.exists() and not overwrite:
         raise OutputError(f"{out}: already exists (use --overwrite to replace it)")
     if out.is_dir():
@@ -107,12 +114,26 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _claim_partial(tmp: Path, overwrite: bool) -> None:
+    """A leftover `<out>.partial` is refused, or with --overwrite removed, never opened through a link."""
+    if not (tmp.exists() or tmp.is_symlink()):
+        return
+    if not overwrite:
+        raise OutputError(f"{tmp}: exists, left by an interrupted conversion or one still running "
+                          "(delete it, or use --overwrite)")
+    try:
+        tmp.unlink()
+    except OSError as exc:
+        raise OutputError(f"{tmp}: cannot remove the leftover: {exc.strerror}") from None
+
+
 def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor], Iterable],
                overwrite: bool = False) -> None:
     """Write `layout` to `out`, pulling each tensor's bytes from `chunks_for` in layout order."""
     out = Path(out)
     check_output(out, overwrite)
     tmp = partial_path(out)
+    _claim_partial(tmp, overwrite)
     w = _header_writer(layout)
     try:
         try:
