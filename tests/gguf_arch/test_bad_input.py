@@ -60,6 +60,12 @@ def test_missing_scale(pro, tmp_path, capsys):
     _fails(pro, tmp_path, capsys, 2, f"missing tensor {name}", "blk.6.ffn_down_exps.weight")
 
 
+def test_unpaired_attn_res_half(pro, tmp_path, capsys):
+    name = L.format(4) + "mlp_res_proj.weight"
+    pro.drop(name)
+    _fails(pro, tmp_path, capsys, 2, f"missing tensor {name}", "blk.4.ffn_res_score.weight")
+
+
 def test_stray_weight_packed_outside_the_routed_experts(pro, tmp_path, capsys):
     name = L.format(2) + "block_sparse_moe.shared_experts.gate_proj.weight_packed"
     pro.add(name, "U8", [64, 32], bytes(64 * 32), "model-00003-of-000016.safetensors")
