@@ -152,10 +152,11 @@ class Timings:
 
     def lines(self) -> list[str]:
         total = self.load_s + self.prompt_s + self.eval_s + self.sample_s
+        sampling = [f"{'sampling time':>17} = {self.sample_s * 1e3:10.2f} ms / {self.samples:5d} runs   "
+                    f"{_rate(self.sample_s, self.samples)}"] if self.samples else []
         return [
             f"{'load time':>17} = {self.load_s * 1e3:10.2f} ms",
-            f"{'sampling time':>17} = {self.sample_s * 1e3:10.2f} ms / {self.samples:5d} runs   "
-            f"{_rate(self.sample_s, self.samples)}",
+            *sampling,
             f"{'prompt eval time':>17} = {self.prompt_s * 1e3:10.2f} ms / {self.prompt_tokens:5d} tokens "
             f"{_rate(self.prompt_s, self.prompt_tokens)}",
             f"{'eval time':>17} = {self.eval_s * 1e3:10.2f} ms / {self.eval_runs:5d} runs   "
@@ -312,13 +313,18 @@ def _log(lines: Sequence[str], prefix: str = "") -> None:
         print(prefix + line, file=sys.stderr)
 
 
-def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str) -> None:
+def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
+                    timings: Timings) -> None:
     tokens = tokenizer.encode(text)
     n_ctx = model.n_ctx
 
     def evaluate(chunk: list[int]) -> np.ndarray:
         model.reset()
-        return last_logits(model.eval(chunk))
+        t = time.perf_counter()
+        logits = last_logits(model.eval(chunk))
+        timings.prompt_s += time.perf_counter() - t
+        timings.prompt_tokens += len(chunk)
+        return logits
 
     def progress(i: int, ppl: float) -> None:
         print(f"[{i + 1}]{ppl:.4f},", end="", flush=True)
@@ -352,7 +358,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         _log(summary(model, tokenizer, dict(args.override_kv)))
         if args.perplexity:
-            _run_perplexity(args, model, tokenizer, text)
+            _run_perplexity(args, model, tokenizer, text, timings)
         else:
             _run_generation(args, model, tokenizer, text, timings)
         _log(timings.lines(), prefix="kimi_k3_perf: ")

@@ -88,6 +88,8 @@ def test_perplexity_mode_prints_llama_perplexity_lines(capsys, tmp_path, k31pro_
     lines = dense.splitlines()
     assert lines[0].startswith("[1]") and lines[0].count(",") == 2
     assert lines[1].startswith("Final estimate: PPL = ") and " +/- " in lines[1]
+    assert "/    64 tokens (" in err  # prompt eval over both 32-token chunks
+    assert "sampling time" not in err
     rc, full, _ = _cli(capsys, *base, "--override-kv", "kimi-k3.attention.indexer.top_k=int:32")
     assert (rc, full) == (0, dense)
     rc, sparse, _ = _cli(capsys, *base, "--override-kv", "kimi-k3.attention.indexer.top_k=int:4")
