@@ -1,6 +1,7 @@
 """The K3 transforms on small arrays, and the streaming of real-size tensors."""
 from __future__ import annotations
 
+import time
 import tracemalloc
 
 import numpy as np
@@ -111,12 +112,12 @@ def test_bf16_passthrough_keeps_the_source_bytes():
 
 @pytest.fixture(scope="module")
 def real_size_checkpoint(tmp_path_factory):
-    """One real K3 KDA projection [12288, 7168] bf16 and two real-size w1 experts."""
+    """One real K3 KDA projection [12288, 7168] bf16 and six real-size w1 experts."""
     d = tmp_path_factory.mktemp("realsize")
     big = (np.arange(12288 * 7168, dtype=np.uint32) % 65521).astype(np.uint16)
     rng = np.random.default_rng(2)
     tensors = {"q": ("BF16", [12288, 7168], big.tobytes())}
-    for e in range(2):
+    for e in range(6):
         tensors[f"e{e}.p"] = ("U8", [3072, 1792], rng.integers(0, 256, 3072 * 1792, dtype=np.uint8).tobytes())
         tensors[f"e{e}.s"] = ("U8", [3072, 112], rng.integers(118, 130, 3072 * 112, dtype=np.uint8).tobytes())
     write_shard(d / "model-00001-of-000001.safetensors", tensors)
@@ -142,16 +143,34 @@ def test_real_size_bf16_passthrough_streams_views_of_the_mmap(real_size_checkpoi
     assert peak < 1 << 20  # no array of the tensor's size was allocated
 
 
-def test_real_size_experts_are_produced_one_expert_at_a_time(real_size_checkpoint):
+def test_real_size_experts_are_produced_one_expert_at_a_time(real_size_checkpoint, monkeypatch):
+    monkeypatch.setattr(transforms, "REPACK_AHEAD", 2)
     with open_checkpoint(real_size_checkpoint) as ckpt:
-        sources = tuple((n, ckpt.entries[n].meta.shape) for n in ("e0.p", "e0.s", "e1.p", "e1.s"))
-        pt = _pt("blk.{l}.ffn_gate_exps.weight", (2, 3072, 3584), sources)
+        sources = tuple((n, ckpt.entries[n].meta.shape) for e in range(6) for n in (f"e{e}.p", f"e{e}.s"))
+        pt = _pt("blk.{l}.ffn_gate_exps.weight", (6, 3072, 3584), sources)
         one_expert = 3072 * 3584 // 32 * BLOCK_BYTES
         tracemalloc.start()
         sizes = [len(chunk) for chunk in tensor_chunks(pt, Q.MXFP4, ckpt.read)]
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert sizes == [one_expert, one_expert]
-    # Working memory is a few expert matrices whatever the number of experts (896 in the real K3):
-    # the consumer still holds the previous expert while the next one is built, plus temporaries.
-    assert peak < 4 * one_expert
+    assert sizes == [one_expert] * 6
+    # Working memory is the experts repacked ahead (2 here) plus the one the consumer still holds and
+    # temporaries, whatever the number of experts (896 in the real K3): below 6 experts' worth here.
+    assert peak < 5 * one_expert
+
+
+def test_ahead_keeps_order_and_bounds_the_work_in_flight():
+    running, most = set(), [0]
+
+    def work(i):
+        running.add(i)
+        most[0] = max(most[0], len(running))
+        time.sleep(0.001 * (7 - i % 7))
+        running.discard(i)
+        return i * i
+
+    consumed = []
+    for result in transforms.ahead(work, range(30), 3):
+        consumed.append(result)
+        assert len(running) <= 3
+    assert consumed == [i * i for i in range(30)] and most[0] <= 3
