@@ -31,6 +31,7 @@ from gguf import GGUFReader
 
 from .diff import iter_tensor_diffs
 from .errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError
+from .safetensors_index import open_checkpoint
 
 MANIFEST_FORMAT = "kimi-k3-gguf-sha256/1"
 _READ_BYTES = 16 << 20
@@ -184,6 +185,9 @@ def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
 
 def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] = print) -> None:
     """Stored digests first, then every tensor recomputed from the checkpoint; raise at the first difference."""
+    # The converter's strict reader vets the index (no shard name outside MODEL_DIR) and every
+    # header before the diff's own reader opens a shard.
+    open_checkpoint(model_dir).close()
     manifest = read_manifest(gguf)
     check_hashes(gguf, manifest)
     log(f"{gguf}: {len(manifest.tensors)} tensor digests match {manifest_path(gguf).name}")
