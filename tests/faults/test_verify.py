@@ -1,0 +1,151 @@
+"""Integrity: the <out>.sha256.json manifest and `convert_kimi_k3.py --verify OUT.gguf MODEL_DIR`.
+
+A clean conversion verifies; any changed byte (tensor data or header), a truncated or replaced
+file, a missing or damaged manifest, or a GGUF that agrees with its manifest but not with the
+checkpoint fails with exit 1 and one line naming the first difference.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+import convert_kimi_k3
+from gguf_arch.integrity import MANIFEST_FORMAT, manifest_path, read_manifest
+
+from .cli import FIXTURES, run_cli
+
+PRO = FIXTURES / "k31pro-tiny"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("conv") / "pro.gguf"
+    assert convert_kimi_k3.main([str(PRO), str(out), "--quiet"]) == 0
+    return out
+
+
+def _copy(src: Path, dst_dir: Path, name: str = "m.gguf") -> Path:
+    dst = dst_dir / name
+    shutil.copyfile(src, dst)
+    shutil.copyfile(manifest_path(src), manifest_path(dst))
+    return dst
+
+
+def _flip(gguf: Path, name: str, byte: int, mask: int) -> None:
+    reader = GGUFReader(gguf, "r+")
+    t = next(t for t in reader.tensors if t.name == name)
+    reader.data[t.data_offset + byte] ^= mask
+    reader.data.flush()
+
+
+def _verify(capsys, gguf: Path, model: Path = PRO) -> tuple[int, str, str]:
+    rc = convert_kimi_k3.main(["--verify", str(gguf), str(model)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _fails(capsys, gguf: Path, *needles: str, model: Path = PRO, code: int = 1) -> str:
+    rc, _, err = _verify(capsys, gguf, model)
+    assert rc == code, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_manifest_lists_every_tensor_in_file_order_with_its_digest(converted):
+    m = read_manifest(converted)
+    reader = GGUFReader(converted)
+    assert [(d.name, d.ggml_type, d.nbytes) for d in m.tensors] == \
+        [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors]
+    for d, t in zip(m.tensors, reader.tensors):
+        assert d.sha256 == hashlib.sha256(t.data.tobytes()).hexdigest()
+    assert m.gguf_size == converted.stat().st_size
+    assert json.loads(manifest_path(converted).read_text())["format"] == MANIFEST_FORMAT
+
+
+def test_a_clean_conversion_verifies(converted, capsys):
+    rc, out, err = _verify(capsys, converted)
+    assert rc == 0 and err == "", err
+    assert f"all {len(read_manifest(converted).tensors)} tensors match" in out
+
+
+def test_the_command_line_as_documented(converted):
+    assert run_cli("--verify", converted, PRO, "--quiet").rc == 0
+    res = run_cli("--verify", converted, PRO, converted)
+    assert res.rc == 2 and "--verify takes OUT.gguf MODEL_DIR" in res.err
+
+
+def test_one_flipped_bit_in_a_tensor(converted, tmp_path, capsys):
+    gguf = _copy(converted, tmp_path)
+    _flip(gguf, "blk.5.ffn_down_exps.weight", 1000, 1)
+    _fails(capsys, gguf, "tensor blk.5.ffn_down_exps.weight: SHA-256 differs")
+
+
+def test_a_changed_metadata_byte(converted, tmp_path, capsys):
+    gguf = _copy(converted, tmp_path)
+    reader = GGUFReader(gguf, "r+")
+    part = reader.fields["general.name"].parts[-1]  # the string's bytes
+    part[0] ^= 0x20
+    reader.data.flush()
+    _fails(capsys, gguf, "header (metadata or tensor infos) differs")
+
+
+def test_truncated_gguf(converted, tmp_path, capsys):
+    gguf = _copy(converted, tmp_path)
+    gguf.write_bytes(gguf.read_bytes()[:-4096])
+    _fails(capsys, gguf, "the manifest says", "truncated or replaced")
+
+
+def test_missing_manifest(converted, tmp_path, capsys):
+    gguf = tmp_path / "m.gguf"
+    shutil.copyfile(converted, gguf)
+    _fails(capsys, gguf, "no integrity manifest")
+
+
+@pytest.mark.parametrize("damage", [
+    lambda doc: "{not json",
+    lambda doc: json.dumps({**doc, "format": "other/1"}),
+    lambda doc: json.dumps({**doc, "tensors": doc["tensors"][:-1]}),
+    lambda doc: json.dumps({**doc, "tensors": [[*doc["tensors"][0][:3], "z" * 64], *doc["tensors"][1:]]}),
+    lambda doc: json.dumps({**doc, "tensors": [["x\n", "NOPE", -1, ""]]}),
+    lambda doc: "[" * 100_000 + "]" * 100_000,
+], ids=["not-json", "format", "one-tensor-short", "bad-digest", "bad-row", "deep"])
+def test_damaged_manifest(converted, tmp_path, capsys, damage):
+    gguf = _copy(converted, tmp_path)
+    doc = json.loads(manifest_path(gguf).read_text())
+    manifest_path(gguf).write_text(damage(doc))
+    _fails(capsys, gguf)
+
+
+def test_consistent_with_its_manifest_but_not_with_the_checkpoint(converted, tmp_path, capsys):
+    """Rehashed after tampering (or converted by a buggy converter): the source diff catches it."""
+    gguf = _copy(converted, tmp_path)
+    name = "blk.0.attn_norm.weight"
+    _flip(gguf, name, 1, 0x40)  # a mantissa bit of the first value
+    doc = json.loads(manifest_path(gguf).read_text())
+    t = next(t for t in GGUFReader(gguf).tensors if t.name == name)
+    for row in doc["tensors"]:
+        if row[0] == name:
+            row[3] = hashlib.sha256(t.data.tobytes()).hexdigest()
+    manifest_path(gguf).write_text(json.dumps(doc))
+    _fails(capsys, gguf, f"differs from {PRO}", name, "MISMATCH")
+
+
+def test_another_checkpoint(converted, capsys):
+    _fails(capsys, converted, model=FIXTURES / "k3-tiny")
+
+
+def test_index_pointing_outside_the_model_dir_is_refused_before_any_read(converted, tmp_path, capsys):
+    model = Path(shutil.copytree(PRO, tmp_path / "model"))
+    index = model / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    first = next(iter(doc["weight_map"]))
+    doc["weight_map"][first] = "../outside.safetensors"
+    index.write_text(json.dumps(doc))
+    _fails(capsys, converted, "not a plain file name inside the model directory", model=model, code=2)
