@@ -140,3 +140,12 @@ def test_dsa_override_on_a_plain_k3_gguf_is_bad_input(capsys, k3_tiny_gguf):
     rc, _, err = _cli(capsys, "-m", k3_tiny_gguf, "-p", PROMPT, "--override-kv",
                       "kimi-k3.attention.indexer.top_k=int:8")
     assert rc == EXIT_BAD_INPUT and "the GGUF has no such key" in err
+
+
+def test_split_gguf_runs_from_its_first_file(capsys, tmp_path, k3_tiny_gguf, k3_ref):
+    from tests.ggml_graph_spec.test_loader import _rewrite  # llama.cpp-style split via gguf-py's writer
+
+    _rewrite(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
+    first = tmp_path / "split-00001-of-00003.gguf"
+    text, _ = _greedy(capsys, first)
+    assert text == _decode(k3_tiny_gguf, k3_ref["greedy_ids"])

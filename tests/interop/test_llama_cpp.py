@@ -152,3 +152,12 @@ def test_fast_path_first_layer_equals_llama_cpp(k3_tiny_gguf, k3_ref):
     finally:
         m.close()
     assert _rel(theirs.reshape(ours.shape), ours) < 1e-6
+
+
+def test_split_gguf_loads_in_llama_cpp(load_llama, tmp_path, k3_tiny_gguf, k3_ref):
+    from tests.ggml_graph_spec.test_loader import _rewrite  # llama.cpp-style split via gguf-py's writer
+
+    _rewrite(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
+    ids = k3_ref["input_ids_short"].tolist()
+    split = llama_logits(load_llama(tmp_path / "split-00001-of-00003.gguf"), ids)
+    assert np.array_equal(split, llama_logits(load_llama(k3_tiny_gguf), ids))
