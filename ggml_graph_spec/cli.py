@@ -135,11 +135,6 @@ def _read_text(path: Path) -> str:
 # running
 # ---------------------------------------------------------------------------------------------
 
-def last_logits(out: Any) -> np.ndarray:
-    """The logits rows of an `eval` result (a bare array or an EvalResult)."""
-    return np.asarray(getattr(out, "logits", out))
-
-
 @dataclass
 class Timings:
     load_s: float = 0.0
@@ -171,7 +166,7 @@ def _rate(seconds: float, n: int) -> str:
     return f"({seconds * 1e3 / n:8.2f} ms per token, {n / seconds:8.2f} tokens per second)"
 
 
-def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], sampler: Sampler, *, n_predict: int,
+def generate(model: Model, tokenizer: BPETokenizer, prompt_ids: Sequence[int], sampler: Sampler, *, n_predict: int,
              n_ctx: int, out: TextIO, timings: Timings) -> list[int]:
     """Prefill the prompt, then sample and stream tokens until EOS, n_predict or a full context."""
     if not prompt_ids:
@@ -180,7 +175,7 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], sampler: Sam
         raise UsageError(f"kimi-k3-cli: the prompt is {len(prompt_ids)} tokens, the context -c {n_ctx}: "
                          "raise -c or shorten the prompt")
     t = time.perf_counter()
-    logits = last_logits(model.eval(list(prompt_ids)))[-1]
+    logits = model.eval(list(prompt_ids))[-1]
     timings.prompt_s, timings.prompt_tokens = time.perf_counter() - t, len(prompt_ids)
     decoder = tokenizer.stream_decoder()
     generated: list[int] = []
@@ -198,7 +193,7 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], sampler: Sam
         if n_past >= n_ctx or len(generated) == n_predict:
             break
         t = time.perf_counter()
-        logits = last_logits(model.eval([token]))[-1]
+        logits = model.eval([token])[-1]
         timings.eval_s += time.perf_counter() - t
         timings.eval_runs += 1
         n_past += 1
@@ -321,7 +316,7 @@ def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
     def evaluate(chunk: list[int]) -> np.ndarray:
         model.reset()
         t = time.perf_counter()
-        logits = last_logits(model.eval(chunk))
+        logits = model.eval(chunk)
         timings.prompt_s += time.perf_counter() - t
         timings.prompt_tokens += len(chunk)
         return logits
