@@ -149,3 +149,15 @@ def test_split_gguf_runs_from_its_first_file(capsys, tmp_path, k3_tiny_gguf, k3_
     first = tmp_path / "split-00001-of-00003.gguf"
     text, _ = _greedy(capsys, first)
     assert text == _decode(k3_tiny_gguf, k3_ref["greedy_ids"])
+
+
+def test_python_dash_m_is_the_cli_with_its_exit_codes(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(tmp_path / "none.gguf"), "-p", "x"],
+                       cwd=repo, capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_BAD_INPUT
+    assert r.stdout == "" and r.stderr.count("\n") == 1 and "none.gguf: not found" in r.stderr
