@@ -309,7 +309,7 @@ def text_section(raw: dict) -> dict:
     """The text model's fields: `text_config` of the multimodal wrapper, or the file itself."""
     if "text_config" in raw:
         archs = raw.get("architectures")
-        if archs is not None and TOP_LEVEL_ARCH not in archs:
+        if archs is not None and (not isinstance(archs, list) or TOP_LEVEL_ARCH not in archs):
             raise ConfigError(f"config.json: architectures is {archs}, expected {TOP_LEVEL_ARCH!r}")
         if not isinstance(raw["text_config"], dict):
             raise ConfigError("config.json: text_config must be an object")

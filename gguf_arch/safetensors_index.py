@@ -86,7 +86,8 @@ def read_weight_map(model_dir: Path) -> dict[str, str]:
     wmap = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError(f"{path}: expected an object with a non-empty 'weight_map'")
-    for shard in set(wmap.values()):  # 96 shard names, not 497k entries
+    # 96 shard names, not 497k entries; a non-string value (unhashable for the set) fails in the check.
+    for shard in {s if isinstance(s, str) else _check_shard_name(s) for s in wmap.values()}:
         _check_shard_name(shard)
     return wmap
 

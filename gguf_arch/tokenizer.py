@@ -118,13 +118,14 @@ def _parse_rank_line(path: Path, lineno: int, line: str) -> tuple[bytes, int]:
     if not token:
         raise TokenizerError(f"{path}: line {lineno}: empty token")
     if not _is_decimal(fields[1]):
-        raise TokenizerError(f"{path}: line {lineno}: rank must be a non-negative integer, got {fields[1]!r}")
+        raise TokenizerError(f"{path}: line {lineno}: rank must be a non-negative integer, got {fields[1][:40]!r}")
     return token, int(fields[1])
 
 
 def _is_decimal(text: str) -> bool:
-    # str.isdigit alone accepts "²" and other digits int() refuses.
-    return text.isascii() and text.isdigit()
+    # str.isdigit alone accepts "²" and other digits int() refuses; 18 digits (far above any rank
+    # or id) keep int() below Python's 4300-digit conversion limit, which raises ValueError.
+    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 def read_special_tokens(path: Path, n_ranks: int, vocab_size: int) -> SpecialTokens:
