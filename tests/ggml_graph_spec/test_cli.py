@@ -1,6 +1,10 @@
 """kimi-k3-cli end to end on the fixture GGUFs: greedy text, EOS, overrides, DSA switches, errors."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -152,10 +156,6 @@ def test_split_gguf_runs_from_its_first_file(capsys, tmp_path, k3_tiny_gguf, k3_
 
 
 def test_python_dash_m_is_the_cli_with_its_exit_codes(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(tmp_path / "none.gguf"), "-p", "x"],
                        cwd=repo, capture_output=True, text=True, timeout=120)
