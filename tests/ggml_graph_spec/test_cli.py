@@ -161,3 +161,14 @@ def test_python_dash_m_is_the_cli_with_its_exit_codes(tmp_path):
                        cwd=repo, capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_BAD_INPUT
     assert r.stdout == "" and r.stderr.count("\n") == 1 and "none.gguf: not found" in r.stderr
+
+
+def test_a_full_context_ends_generation(capsys, tmp_path, k3_tiny_gguf, k3_ref):
+    # 12 prompt tokens in a 16-token context: 4 more tokens fill it, and a 5th is still sampled
+    # from the last position's logits (it needs no cache slot).
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT, encoding="utf-8")
+    rc, out, err = _cli(capsys, "-m", k3_tiny_gguf, "-f", prompt, "--no-display-prompt", "--temp", 0, "-c", 16,
+                        "-t", 2, "--exact-experts")
+    assert rc == 0, err
+    assert out == _decode(k3_tiny_gguf, k3_ref["greedy_ids"][:5]) + "\n"
