@@ -123,11 +123,13 @@ def test_logits_agree_with_our_fast_path_position_by_position(load_llama, k3_tin
     # max |diff| 3% to 21% of the largest logit depending on where the first flip falls (a one-ulp
     # change of ssm_a in the converter moved the short prompt from 21% to 3%), about what
     # llama.cpp's fast path is from the reference itself (14%-31%). The decisions agree: the argmax
-    # at each position (measured 12/12 and 92/96) and the greedy tokens (test above).
+    # at each position (measured 12/12 and 92/96) and the greedy tokens (test above). The bound for
+    # the long prompt is how well llama.cpp's fast path agrees with the reference (87/96,
+    # findings.md): two approximations of one model should agree at least that well.
     m = Model.load(k3_tiny_gguf, n_ctx=128, n_threads=2)
     llm = load_llama(k3_tiny_gguf)
     try:
-        for prompt, min_agree in (("short", 1.0), ("long", 0.95)):
+        for prompt, min_agree in (("short", 1.0), ("long", 87 / 96)):
             ids = k3_ref[f"input_ids_{prompt}"].tolist()
             m.reset()
             ours, theirs = m.eval(ids), llama_logits(llm, ids)
