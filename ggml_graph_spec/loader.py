@@ -52,7 +52,16 @@ _MXFP4_BLOCK = 32  # ggml's QK_MXFP4
 
 def read_metadata(readers: list[GGUFReader]) -> dict[str, Any]:
     """Every key/value of the (first) file, values as Python objects."""
-    return {name: f.contents() for name, f in readers[0].fields.items() if not name.startswith("GGUF.")}
+    return {name: _contents(readers[0], name, f) for name, f in readers[0].fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def _contents(reader: GGUFReader, name: str, f) -> Any:
+    # gguf-py decodes string values only here, not when it opens the file.
+    try:
+        return f.contents()
+    except UnicodeDecodeError:
+        raise GGUFError(f"{reader.data.filename}: metadata {name!r} holds a string that is not valid UTF-8") from None
 
 
 def _need(meta: Mapping[str, Any], key: str, where: str) -> Any:
