@@ -268,6 +268,10 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
     except BaseException:
         weights.close()
         raise
+    # Warm-up, as llama-cli does: the first graph of a process pays one-time costs (thread pool,
+    # allocator, first touch of the mapped weights) that belong in the load time, not the prompt's.
+    model.eval([tokenizer.bos_id if tokenizer.bos_id is not None else 0])
+    model.reset()
     return model, tokenizer
 
 
