@@ -1,11 +1,13 @@
 """Convert a Kimi K3 / K3.1-Pro Hugging Face checkpoint to one GGUF file (arch kimi-k3).
 
-    python convert_kimi_k3.py MODEL_DIR OUT.gguf [--overwrite] [--no-dsa] [--quiet] [type options]
+    python convert_kimi_k3.py MODEL_DIR OUT.gguf [--overwrite | --resume] [--no-dsa] [--quiet] [type options]
+        [--split-max-size N(K|M|G)] [--split-max-tensors N] [--log-json FILE] [--dry-run]
     python convert_kimi_k3.py MODEL_DIR --print-tensor-types [type options]
     python convert_kimi_k3.py --verify OUT.gguf MODEL_DIR
 
-Exit codes: 0 ok, 2 bad input, 1 runtime failure (I/O, disk full, output exists; with --verify:
-the first difference from the manifest or the checkpoint), 130 Ctrl-C.
+Exit codes: 0 ok, 2 bad input (including a missing or truncated shard), 1 runtime failure (I/O,
+not enough free disk, output exists; with --verify: the first difference from the manifest or the
+checkpoint), 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from gguf_arch.convert import convert
+from gguf_arch.convert import OutputOptions, convert
+from gguf_arch.dry_run import plan_lines, planned_files
 from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, KimiError
 from gguf_arch.integrity import verify
+from gguf_arch.split import SplitLimits, parse_size
 from quant_rules.cli_options import (add_quant_arguments, format_tensor_types, listing_resolution, quant_options,
                                      requantize_warning, write_quantize_rules)
 
@@ -27,7 +31,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-dsa", action="store_true",
                    help="convert a K3.1-Pro checkpoint as plain kimi-k3 (no indexer keys or tensors)")
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors (no progress bar)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted conversion: keep its finished files once verified against "
+                        "their .sha256.json manifests, rewrite the rest")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every output file and tensor with its type and bytes; read only config.json "
+                        "and the shard headers, write nothing")
+    p.add_argument("--split-max-size", metavar="N(K|M|G)", default="0",
+                   help="split the output into OUT-00001-of-0000N.gguf parts of at most this much tensor data "
+                        "(powers of 1000, as llama.cpp; a larger tensor gets a part of its own)")
+    p.add_argument("--split-max-tensors", metavar="N", type=int, default=0,
+                   help="split the output into parts of at most N tensors")
+    p.add_argument("--log-json", type=Path, metavar="FILE",
+                   help="write one JSON progress line per tensor to FILE (file, tensor, bytes done/total, "
+                        "elapsed, rate)")
     p.add_argument("--verify", type=Path, metavar="OUT.gguf",
                    help="re-check OUT.gguf against its .sha256.json manifest and every tensor against MODEL_DIR")
     add_quant_arguments(p)
@@ -47,8 +65,16 @@ def _run(args: argparse.Namespace, log) -> None:
             print("\n".join([source, *types.log, *format_tensor_types(types)]))
         if args.export_quantize_rules:
             log(write_quantize_rules(args.export_quantize_rules, types))
-    if not args.print_tensor_types:
-        convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant, log=log)
+    split = SplitLimits(parse_size(args.split_max_size) if args.split_max_size != "0" else 0,
+                        args.split_max_tensors)
+    if args.dry_run:
+        print("\n".join(plan_lines(*planned_files(args.model_dir, args.out, dsa=not args.no_dsa, quant=quant,
+                                                  split=split))))
+    elif not args.print_tensor_types:
+        output = OutputOptions(split, args.resume, progress_bar=not args.quiet and sys.stderr.isatty(),
+                               log_json=args.log_json)
+        convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant,
+                output=output, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--verify takes OUT.gguf MODEL_DIR and no second output")
     if args.out is None and not args.print_tensor_types and not args.verify:
         parser.error("the output file OUT is required unless --print-tensor-types is given")
+    if args.resume and args.overwrite:
+        parser.error("--resume keeps verified finished files, --overwrite replaces everything: pick one")
+    if args.split_max_tensors < 0:
+        parser.error("--split-max-tensors must be a positive number of tensors")
     log = (lambda _msg: None) if args.quiet else print
     try:
         _run(args, log)

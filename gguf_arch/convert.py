@@ -16,14 +16,18 @@ from gguf import GGUFValueType as T
 from .config import K3Config, load_config
 from .errors import CheckpointError, KimiError
 from .integrity import TensorHasher, write_manifest
+from .preflight import check_free_space
+from .progress import Progress
+from .resume import OutputFile, files_to_write, refuse_leftovers
 from .keys import ARCH, FILE_TYPE_MXFP4_MOE, QUANTIZATION_VERSION, model_keys
 from .safetensors_index import Checkpoint, TensorMeta, open_checkpoint
 from .tensors import OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
+from .split import SplitLimits, split_layout
 from .tokenizer import tokenizer_metadata
 from .transforms import SAME_BYTES, tensor_chunks
 from .writer import KV, GGUFLayout, OutputTensor, check_output, write_gguf
 from quant_rules.apply import final_chunks, final_outputs, resolve_plan
-from quant_rules.rules import QuantOptions
+from quant_rules.rules import QuantOptions, Resolution
 
 MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")
 
@@ -151,30 +155,79 @@ def check_outside_model(model_dir: Path, out: Path) -> None:
         raise KimiError(f"{out}: is inside the model directory {model_dir}; write the GGUF elsewhere")
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the output is written: split limits, resume, progress reporting."""
+
+    split: SplitLimits = SplitLimits()
+    resume: bool = False  # keep verified finished files of an interrupted run, rewrite the rest
+    progress_bar: bool = False  # a tqdm bar per file on stderr
+    log_json: Path | None = None  # one JSON progress line per tensor
+
+
+def conversion_layout(plan: ConversionPlan, kv: tuple[KV, ...], metas: Mapping[str, TensorMeta],
+                      quant: QuantOptions, log: Callable[[str], None]) -> tuple[GGUFLayout, Resolution]:
+    """The whole output (before any split) with the final tensor types quant_rules picks."""
+    # plan.outputs carry the contract types; quant_rules picks the final ones (and re-encodes).
+    types = resolve_plan(plan.outputs, metas, quant)
+    for line in types.log:
+        log(line)
+    return GGUFLayout(ARCH, kv, final_outputs(types)), types
+
+
+def output_files(out: Path, layout: GGUFLayout, split: SplitLimits) -> list[OutputFile]:
+    return [OutputFile.planned(path, part) for path, part in split_layout(out, layout, split)]
+
+
+def _files_to_write(files: list[OutputFile], overwrite: bool, resume: bool, log) -> list[OutputFile]:
+    if resume:
+        return files_to_write(files, log)
+    refuse_leftovers(files, overwrite)
+    return files
+
+
+def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log) -> None:
+    """Each file streamed, renamed into place, then its manifest; one file at a time."""
+    for f in files:
+        hasher = TensorHasher()
+        chunks_for, close_bar = progress.track(f.path, f.layout, hasher.wrap(source_chunks))
+        try:
+            write_gguf(f.path, f.layout, chunks_for, replace)
+        finally:
+            close_bar()
+        write_manifest(f.path, hasher.digests)
+        log(f"wrote {f.path}")
+
+
 def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
-            quant: QuantOptions = QuantOptions(), log: Callable[[str], None] = print) -> Ledger:
-    """Convert a checkpoint directory to one GGUF file; returns the ledger counts."""
+            quant: QuantOptions = QuantOptions(), output: OutputOptions = OutputOptions(),
+            log: Callable[[str], None] = print) -> Ledger:
+    """Convert a checkpoint directory to one GGUF file (or split parts); returns the ledger counts."""
     model_dir, out = Path(model_dir), Path(out)
     check_outside_model(model_dir, out)
-    check_output(out, overwrite)
+    if not output.resume and output.split == SplitLimits():
+        check_output(out, overwrite)  # before the work of planning; split part names need the plan
     cfg = load_config(model_dir)
-    with open_checkpoint(model_dir) as ckpt:
+    with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
         plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
         kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
         log(plan.ledger.summary())
         if cfg.indexer is not None and not dsa:
             log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
-        # plan.outputs carry the contract types; quant_rules picks the final ones (and re-encodes).
-        types = resolve_plan(plan.outputs, ckpt.metas, quant)
-        for line in types.log:
-            log(line)
-        layout = GGUFLayout(ARCH, kv, final_outputs(types))
+        layout, types = conversion_layout(plan, kv, ckpt.metas, quant, log)
+        files = output_files(out, layout, output.split)
+        todo = _files_to_write(files, overwrite, output.resume, log)
+        check_free_space(out.parent, sum(f.size for f in todo))
         by_name = {p.output.name: p.tensor for p in plan.outputs}
         decided = {d.name: d for d in types.decisions}
-        hasher = TensorHasher()
-        write_gguf(out, layout, hasher.wrap(lambda t: _releasing(final_chunks(
-            decided[t.name], tensor_chunks(by_name[t.name], decided[t.name].contract_type, ckpt.read), log),
-            ckpt)), overwrite)
-    write_manifest(out, hasher.digests)
-    log(f"wrote {out}")
+
+        def source_chunks(t: OutputTensor) -> Iterator:
+            d = decided[t.name]
+            return _releasing(final_chunks(d, tensor_chunks(by_name[t.name], d.contract_type, ckpt.read), log), ckpt)
+        progress = Progress(sum(t.nbytes for f in todo for t in f.layout.tensors), bar=output.progress_bar,
+                            log_json=output.log_json)
+        try:
+            _write_files(todo, source_chunks, progress, overwrite or output.resume, log)
+        finally:
+            progress.close()
     return plan.ledger

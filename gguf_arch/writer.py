@@ -2,9 +2,10 @@
 
 gguf-py's `GGUFWriter.add_tensor` keeps every tensor in memory until `write_tensors_to_file`, which
 for a 1.5 TB checkpoint is not an option. We use its lower-level API instead: `add_tensor_info`
-for each planned tensor with its final byte size, `write_header_to_file`, `write_kv_data_to_file`,
-`write_ti_data_to_file`, and then write each tensor's bytes ourselves as they are produced, with
-the same alignment padding gguf-py uses. Peak memory is one chunk, not one model.
+for each planned tensor with its final byte size, then its header, KV and tensor-info writers into
+an in-memory buffer (`header_bytes`: the exact header, so the exact file size is known before a
+byte is written), and then each tensor's bytes as they are produced, with the same alignment
+padding gguf-py uses. Peak memory is one chunk, not one model.
 
 The output appears only when complete: data goes to `<out>.partial` in the same directory, which
 is fsync'd and renamed over the final name; any error or Ctrl-C removes it. The plan is a plain
@@ -12,6 +13,7 @@ value so that split output and resume can be built on it without touching the da
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -20,7 +22,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
-from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
+from gguf.gguf_writer import WriterState
 
 from .errors import OutputError
 
@@ -52,11 +55,19 @@ class OutputTensor:
 
 @dataclass(frozen=True)
 class GGUFLayout:
-    """Everything about the file except the tensor bytes: what a writer (or a splitter) needs."""
+    """Everything about the file except the tensor bytes: what a writer (or a splitter) needs.
 
-    arch: str
+    `arch` is None only for a split part after the first, which carries no general.architecture:
+    llama-gguf-split puts every key in the first part and only the split.* keys in the others.
+    """
+
+    arch: str | None
     kv: tuple[KV, ...]
     tensors: tuple[OutputTensor, ...]
+
+
+def padded(nbytes: int, alignment: int = GGUF_DEFAULT_ALIGNMENT) -> int:
+    return nbytes + (-nbytes % alignment)
 
 
 def partial_path(out: Path) -> Path:
@@ -73,7 +84,8 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise OutputError(f"{out}: is a symbolic link to {os.readlink(out)}; refusing to write through it "
                           "(use --overwrite to replace the link itself; its target is never written)")
     if out.exists() and not overwrite:
-        raise OutputError(f"{out}: already exists (use --overwrite to replace it)")
+        raise OutputError(f"{out}: already exists (use --overwrite to replace it, or --resume to continue "
+                          "the conversion that wrote it)")
     if out.is_dir():
         raise OutputError(f"{out}: is a directory")
     if not out.parent.is_dir():
@@ -81,13 +93,34 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 
 def _header_writer(layout: GGUFLayout) -> GGUFWriter:
-    w = GGUFWriter(None, layout.arch)
+    # A later split part has no architecture key: gguf-py's add_string skips the empty value.
+    w = GGUFWriter(None, layout.arch or "")
     for key, value, vtype, sub_type in layout.kv:
         w.add_key_value(key, value, vtype, sub_type)
     for t in layout.tensors:
         # A uint8 byte shape plus raw_dtype is gguf-py's way to declare a tensor of any type.
         w.add_tensor_info(t.name, t.byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.ggml_type)
     return w
+
+
+def header_bytes(layout: GGUFLayout) -> bytes:
+    """The file's bytes before its first tensor: header, KV, tensor infos, alignment padding."""
+    w = _header_writer(layout)
+    buf = io.BytesIO()
+    # gguf-py writes only into files it opened itself; handing it a buffer in the state its
+    # open_output_file leaves yields the same bytes without touching the disk.
+    w.fout, w.state = [buf], WriterState.EMPTY
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    _pad(buf, w.data_alignment)
+    return buf.getvalue()
+
+
+def file_size(layout: GGUFLayout, header: bytes | None = None) -> int:
+    """Exact size of the file `write_gguf` writes for `layout`."""
+    header = header_bytes(layout) if header is None else header
+    return len(header) + sum(padded(t.nbytes) for t in layout.tensors)
 
 
 def _pad(fout, alignment: int) -> None:
@@ -114,13 +147,19 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def refuse_partial(tmp: Path) -> None:
+    """A leftover `<out>.partial` (or a link planted at its name) is an error."""
+    if tmp.exists() or tmp.is_symlink():
+        raise OutputError(f"{tmp}: exists, left by an interrupted conversion or one still running "
+                          "(delete it, use --resume to continue that conversion, or --overwrite)")
+
+
 def _claim_partial(tmp: Path, overwrite: bool) -> None:
     """A leftover `<out>.partial` is refused, or with --overwrite removed, never opened through a link."""
+    if not overwrite:
+        refuse_partial(tmp)
     if not (tmp.exists() or tmp.is_symlink()):
         return
-    if not overwrite:
-        raise OutputError(f"{tmp}: exists, left by an interrupted conversion or one still running "
-                          "(delete it, or use --overwrite)")
     try:
         tmp.unlink()
     except OSError as exc:
@@ -134,18 +173,14 @@ def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor
     check_output(out, overwrite)
     tmp = partial_path(out)
     _claim_partial(tmp, overwrite)
-    w = _header_writer(layout)
+    header = header_bytes(layout)
     try:
-        try:
-            w.write_header_to_file(tmp)
-            w.write_kv_data_to_file()
-            w.write_ti_data_to_file()
-            fout = w.fout[0]
-            _write_data(fout, layout, w.data_alignment, chunks_for)
+        # "x": a link or file that appeared at the partial name since it was claimed is not followed.
+        with open(tmp, "xb") as fout:
+            fout.write(header)
+            _write_data(fout, layout, GGUF_DEFAULT_ALIGNMENT, chunks_for)
             fout.flush()
             os.fsync(fout.fileno())
-        finally:
-            w.close()
         check_output(out, overwrite)
         os.replace(tmp, out)
         _fsync_dir(out.parent)
