@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import mmap
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,6 +89,10 @@ class _Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._shard_of
 
+    def release_pages(self) -> None:
+        for _, data, _ in self._shards.values():
+            _drop_resident_pages(data)
+
     def get(self, name: str, shape: tuple[int, ...], dtypes: Iterable[str]) -> _Source:
         if name not in self._shard_of:
             raise CheckpointError(f"{self.dir}: tensor {name} is not in the checkpoint")
@@ -108,6 +113,12 @@ class _Checkpoint:
             raise CheckpointError(f"{where} has data_offsets {offsets}, which do not hold {nbytes} bytes inside the file")
         raw = data[base + offsets[0]: base + offsets[1]]
         return _Source(name, dtype, raw.view(_ST_DTYPES[dtype]).reshape(shape))
+
+
+def _drop_resident_pages(data: np.memmap) -> None:
+    """Unmap this process's resident pages of a read-only map (they stay in the page cache and
+    fault back in when touched). np.memmap keeps its mmap.mmap as the array's base."""
+    data.base.madvise(mmap.MADV_DONTNEED)
 
 
 def _read_shard(path: Path) -> tuple[dict, np.memmap, int]:
@@ -352,6 +363,18 @@ class _GGUF:
         start = t.data_offset + first * row_bytes
         return np.asarray(self.reader.data[start: start + count * row_bytes]).reshape(count, row_bytes)
 
+    def release_pages(self) -> None:
+        _drop_resident_pages(self.reader.data)
+
+
+def _releasing(chunks: Iterable[_Chunk], ckpt: _Checkpoint, gguf: _GGUF) -> Iterator[_Chunk]:
+    """Pass chunks through; once one is compared, drop the pages it read from both files. Without
+    this every page read stays in the RSS: a whole-model diff would hold the model and the GGUF."""
+    for chunk in chunks:
+        yield chunk
+        ckpt.release_pages()
+        gguf.release_pages()
+
 
 def _first_mismatch(plan: PlannedTensor, chunk: _Chunk, bad: np.ndarray, expected: np.ndarray,
                     found: np.ndarray) -> Mismatch:
@@ -419,7 +442,8 @@ def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor
     if problem:
         return result(TYPE, problem)
     exact = qtype == want
-    mismatches = _compare(gguf, plan, REFERENCES[plan.transform](cfg, plan, sources), qtype, exact)
+    mismatches = _compare(gguf, plan, _releasing(REFERENCES[plan.transform](cfg, plan, sources), ckpt, gguf),
+                          qtype, exact)
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_MAX_UNITS_SHOWN])
         more = f"; and {len(mismatches) - _MAX_UNITS_SHOWN} more" if len(mismatches) > _MAX_UNITS_SHOWN else ""
