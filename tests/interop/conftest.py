@@ -1,87 +1,59 @@
 """llama.cpp (llama-cpp-python 0.3.36, the `interop` extra) and the GGUFs it is given.
 
-Every test here is skipped, with the reason, when llama_cpp cannot be imported (each module
-carries `pytestmark = requires_llama_cpp`). llama.cpp's own log goes through a callback that
-keeps it out of the test output and lets a test read what llama.cpp said (the only place its
-load errors are spelled out).
+llama.cpp runs in a child process (llama_worker.py says why: two ggml builds cannot share one
+process). Every test here is skipped, with the reason, when llama_cpp cannot be imported there
+(each module carries `pytestmark = requires_llama_cpp`). llama.cpp's log never reaches the test
+output; the worker returns its error lines when a model does not load.
 """
 from __future__ import annotations
 
-import ctypes
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import pytest
 
 import convert_kimi_k3
 
-try:
-    import llama_cpp
-    import llama_cpp._ggml  # llama-cpp-python's ctypes handle on its own ggml
-except (ImportError, OSError) as exc:  # OSError: the wheel's shared libraries failed to load
-    llama_cpp = None
-    _MISSING = f"llama_cpp cannot be imported ({exc}); install the 'interop' extra"
-else:
-    _MISSING = ""
-
-requires_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason=_MISSING)
-
+WORKER = Path(__file__).with_name("llama_worker.py")
 GGML_TYPE_F32 = 0  # ggml.h enum ggml_type; type_k / type_v of a llama.cpp context
-GGML_LOG_LEVEL_ERROR = 4
+DEFAULT_PARAMS = dict(n_ctx=128, n_batch=128, n_threads=2, n_threads_batch=2, logits_all=True)
 
 
-class LlamaLog:
-    """Collects llama.cpp's log lines instead of printing them."""
-
-    def __init__(self) -> None:
-        self.lines: list[tuple[int, str]] = []
-        # ctypes must keep the callback object alive as long as llama.cpp may call it.
-        self._callback = llama_cpp.llama_log_callback(self._collect)
-        llama_cpp.llama_log_set(self._callback, ctypes.c_void_p(0))
-
-    def _collect(self, level: int, text: bytes, _user_data) -> None:
-        self.lines.append((level, text.decode("utf-8", errors="replace")))
-
-    def errors(self) -> list[str]:
-        return [t.strip() for level, t in self.lines if level == GGML_LOG_LEVEL_ERROR]
+def _import_problem() -> str:
+    r = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True)
+    if r.returncode == 0:
+        return ""
+    last = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+    return f"llama_cpp cannot be imported ({last}); install the 'interop' extra"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def llama_log() -> LlamaLog | None:
-    """Installed before any test here runs, so no llama.cpp call prints."""
-    return LlamaLog() if llama_cpp is not None else None
+_PROBLEM = _import_problem()
+requires_llama_cpp = pytest.mark.skipif(bool(_PROBLEM), reason=_PROBLEM)
 
 
-@pytest.fixture
-def load_llama(llama_log):
-    """load_llama(path, **kw) -> llama_cpp.Llama on 2 threads with all logits kept; closed afterwards."""
-    opened = []
+@dataclass
+class LoadFailure:
+    """What llama.cpp said when the model did not load."""
 
-    def load(path: Path, **kw) -> "llama_cpp.Llama":
-        args = dict(n_ctx=128, n_batch=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False)
-        llm = llama_cpp.Llama(model_path=str(path), **{**args, **kw})
-        opened.append(llm)
-        return llm
-
-    yield load
-    for llm in opened:
-        llm.close()
+    message: str  # the Python exception of llama-cpp-python
+    log_errors: list[str]  # llama.cpp's error-level log lines
 
 
-def llama_logits(llm, ids: list[int]) -> np.ndarray:
-    """Teacher-forced logits [len(ids), vocab] from an empty cache."""
-    llm.reset()
-    llm.eval(ids)
-    return np.array(llm.scores[:len(ids)], dtype=np.float32)
-
-
-def llama_greedy(llm, ids: list[int], n: int) -> list[int]:
-    out = []
-    for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
-        out.append(int(token))
-        if len(out) == n:
-            break
-    return out
+def llama_run(model: Path, calls: list[tuple], tmp_path: Path, **params: Any) -> list[Any] | LoadFailure:
+    """Load `model` in llama.cpp with DEFAULT_PARAMS updated by `params` and make the worker's
+    calls, e.g. ("logits", ids), ("greedy", ids, 16), ("tokenize", text): one result per call."""
+    request, result = tmp_path / "llama-request.pickle", tmp_path / "llama-result.pickle"
+    request.write_bytes(pickle.dumps({"model": str(model), "params": {**DEFAULT_PARAMS, **params},
+                                      "calls": calls}))
+    r = subprocess.run([sys.executable, str(WORKER), str(request), str(result)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, f"llama worker exited with {r.returncode}: {r.stderr[-2000:]}"
+    out = pickle.loads(result.read_bytes())
+    return LoadFailure(out["load_error"], out["log_errors"]) if isinstance(out, dict) else out
 
 
 def _convert(tmp_path_factory, model_dir: Path, name: str, *flags: str) -> Path:
@@ -99,39 +71,3 @@ def k31pro_no_dsa_gguf(tmp_path_factory, k31pro_tiny_dir) -> Path:
 def k3_f32_gguf(tmp_path_factory, k3_tiny_dir) -> Path:
     """Every matrix and the routed experts in F32: nothing for llama.cpp to quantize on the fly."""
     return _convert(tmp_path_factory, k3_tiny_dir, "k3-f32.gguf", "--outtype", "f32", "--requantize-experts", "f32")
-
-
-def llama_named_outputs(path: Path, ids: list[int], names: set[str]) -> dict[str, np.ndarray]:
-    """The F32 graph tensors llama.cpp names `names` (e.g. "l_out-3"), read with the eval callback
-    while it decodes `ids` in one batch. Flat float32 arrays, in ggml's memory order."""
-    ggml = llama_cpp._ggml.libggml
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_nbytes.restype = ctypes.c_size_t
-    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    got: dict[str, np.ndarray] = {}
-
-    def collect(tensor, ask, _user_data) -> bool:
-        name = ggml.ggml_get_name(tensor).decode()
-        if ask:
-            return name in names
-        out = np.empty(ggml.ggml_nbytes(tensor) // 4, dtype=np.float32)
-        ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
-        got[name] = out
-        return True
-
-    callback = llama_cpp.ggml_backend_sched_eval_callback(collect)
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = max(32, len(ids))
-    cp.n_threads = cp.n_threads_batch = 2
-    cp.cb_eval = callback
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    try:
-        tokens = (llama_cpp.llama_token * len(ids))(*ids)
-        assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, len(ids))) == 0
-    finally:
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
-    return got
