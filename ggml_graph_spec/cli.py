@@ -25,7 +25,7 @@ from gguf_arch.tensors import plan_tensors
 
 from .loader import GGUFWeights, config_from_metadata, load_gguf
 from .model import Model
-from .perplexity import perplexity
+from .perplexity import chunk_count, perplexity
 from .sampling import DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams
 from .tokenizer import BPETokenizer
 
@@ -328,7 +328,9 @@ def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
     def progress(i: int, ppl: float) -> None:
         print(f"[{i + 1}]{ppl:.4f},", end="", flush=True)
 
-    _log([f"perplexity: {len(tokens)} tokens, chunks of n_ctx={n_ctx}, scoring the second half of each"])
+    n_chunks = chunk_count(len(tokens), n_ctx, args.chunks)
+    _log([f"perplexity: calculating perplexity over {n_chunks} chunks, n_ctx={n_ctx} ({len(tokens)} tokens; "
+          "the second half of each chunk is scored)"])
     r = perplexity(tokens, n_ctx, evaluate, bos=tokenizer.bos_id if tokenizer.add_bos else None,
                    n_chunks=args.chunks, on_chunk=progress)
     print()
