@@ -188,6 +188,8 @@ def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] =
     # The converter's strict reader vets the index (no shard name outside MODEL_DIR) and every
     # header before the diff's own reader opens a shard.
     open_checkpoint(model_dir).close()
+    if not Path(gguf).is_file():
+        raise GGUFError(f"{gguf}: not found (expected the converted GGUF file)")
     manifest = read_manifest(gguf)
     check_hashes(gguf, manifest)
     log(f"{gguf}: {len(manifest.tensors)} tensor digests match {manifest_path(gguf).name}")

@@ -104,6 +104,10 @@ def test_truncated_gguf(converted, tmp_path, capsys):
     _fails(capsys, gguf, "the manifest says", "truncated or replaced")
 
 
+def test_missing_gguf(tmp_path, capsys):
+    _fails(capsys, tmp_path / "absent.gguf", "absent.gguf: not found", code=2)
+
+
 def test_missing_manifest(converted, tmp_path, capsys):
     gguf = tmp_path / "m.gguf"
     shutil.copyfile(converted, gguf)
