@@ -13,6 +13,7 @@ bytes inside it (`ggml_backend_tensor_alloc`). The weights are read-only: no op 
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,10 @@ def _check_against_key_table(cfg: K3Config, meta: Mapping[str, Any], where: str)
                         ("kda.head_dim", cfg.kda.head_dim), ("ssm.conv_kernel", cfg.kda.conv_kernel)):
         if value < 1:
             raise GGUFError(f"{where}: {K.ARCH}.{name} must be >= 1, got {value}")
+    for name, value in (("activation.situ_beta", cfg.situ_beta), ("activation.situ_linear_beta", cfg.situ_linear_beta),
+                        ("attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)):
+        if not (math.isfinite(value) and value > 0):  # SiTU divides by the betas
+            raise GGUFError(f"{where}: {K.ARCH}.{name} must be finite and > 0, got {value}")
     if not 1 <= cfg.num_experts_used <= cfg.num_experts:
         raise GGUFError(f"{where}: {K.ARCH}.expert_used_count {cfg.num_experts_used} must be in "
                         f"1..expert_count ({cfg.num_experts})")

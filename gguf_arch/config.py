@@ -293,8 +293,9 @@ def _check_fixed_and_sizes(t: dict, kda: dict, errors: list[str]) -> None:
     for name in ("routed_expert_hidden_size", "moe_intermediate_size"):
         if name in t and t[name] % 32:
             errors.append(f"text_config.{name} must be a multiple of 32 (MXFP4 blocks), got {t[name]}")
-    if "rms_norm_eps" in t and not t["rms_norm_eps"] > 0:
-        errors.append(f"text_config.rms_norm_eps must be > 0, got {t['rms_norm_eps']}")
+    for name in ("rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta"):  # SiTU divides by the betas
+        if name in t and not t[name] > 0:
+            errors.append(f"text_config.{name} must be > 0, got {t[name]}")
     if kda.get("use_full_rank_gate") is False:
         errors.append("text_config.linear_attn_config.use_full_rank_gate must be true for Kimi K3 (one g_proj)")
     for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
