@@ -206,3 +206,13 @@ def test_tiktoken_corpus(tmp_path, path):
 def test_tokenizer_config_corpus(tmp_path, path):
     shutil.copyfile(path, tmp_path / "tokenizer_config.json")
     _raises_cleanly(TokenizerError, read_special_tokens, tmp_path / "tokenizer_config.json", 656, 1024)
+
+
+@pytest.mark.parametrize("field", ["activation_situ_beta", "activation_situ_linear_beta"])
+def test_a_zero_situ_cap_is_refused_at_conversion(field):
+    """Found by the GGUF fuzz: SiTU divides by its betas, so the runner refused 0; the converter
+    must not write a GGUF the runner refuses."""
+    raw = json.loads(json.dumps(BASE_CONFIG))
+    raw["text_config"][field] = 0.0
+    with pytest.raises(ConfigError, match=f"text_config.{field} must be > 0, got 0.0"):
+        parse_config(raw)
