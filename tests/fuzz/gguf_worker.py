@@ -7,11 +7,13 @@ instead of a reply, and names the file. Each reply is one JSON line: the outcome
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+HANG_SECONDS = 60  # a tiny model loads and runs a token in well under a second
 
 
 def _outcome(path: str) -> dict:
@@ -36,13 +38,15 @@ def serve() -> None:
 
 
 class Worker:
-    """The parent's handle: `check(path)` returns the child's reply, or {"died": returncode}."""
+    """The parent's handle: `check(path)` returns the child's reply, {"died": returncode}, or
+    {"hung": seconds} (the child is then killed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: str = "from tests.fuzz.gguf_worker import serve; serve()") -> None:
+        self._code = code
         self._proc: subprocess.Popen | None = None
 
     def _start(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", "from tests.fuzz.gguf_worker import serve; serve()"],
+        return subprocess.Popen([sys.executable, "-c", self._code],
                                 cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True)
 
@@ -51,6 +55,11 @@ class Worker:
             self._proc = self._start()
         self._proc.stdin.write(f"{path}\n")
         self._proc.stdin.flush()
+        if not select.select([self._proc.stdout], [], [], HANG_SECONDS)[0]:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+            return {"hung": HANG_SECONDS}
         reply = self._proc.stdout.readline()
         if not reply:
             rc = self._proc.wait(timeout=30)

@@ -1,7 +1,8 @@
 """Fuzz the runner's GGUF loader with damaged copies of a converted k3-tiny: truncated files, wrong
 type ids, dims that disagree with the architecture, bad offsets, damaged keys and strings.
 
-Each file goes to a separate process (`gguf_worker`): it must answer, not die on a ggml assert;
+Each file goes to a separate process (`gguf_worker`): it must answer, not die on a ggml assert
+or hang;
 a refused file gets one clean KimiError line; an accepted one runs a forward pass without error.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from gguf_arch.integrity import check_hashes, manifest_path, read_manifest
 
+from . import gguf_worker
 from .gguf_worker import Worker
 from .harness import CORPUS, FUZZ, assert_clean
 
@@ -73,6 +75,7 @@ def _check(worker: Worker, path, m: dict) -> None:
     reply = worker.check(path)
     context = json.dumps(m)
     assert "died" not in reply, f"the loader process died ({reply['died']}) on mutation {context}"
+    assert "hung" not in reply, f"the loader process hung ({reply['hung']} s) on mutation {context}"
     if "msg" in reply:
         assert reply["kimi"], f"{reply['type']} instead of a KimiError: {reply['msg']} ({context})"
         assert reply["msg"] and reply["msg"].splitlines() == [reply["msg"]], reply["msg"]
@@ -114,3 +117,11 @@ def test_damaged_gguf_against_its_manifest(tmp_path, base, k3_tiny_gguf, data):
         assert_clean(exc)
     else:
         assert damaged == base[0], f"a damaged file passed its manifest: {json.dumps(m)}"
+
+
+def test_the_harness_reports_an_abort_and_a_hang(monkeypatch, k3_tiny_gguf):
+    """What a ggml assert does to the process (SIGABRT), and a child that never answers."""
+    aborting = Worker("import os, sys; sys.stdin.readline(); os.abort()")
+    assert aborting.check(k3_tiny_gguf)["died"] != 0
+    monkeypatch.setattr(gguf_worker, "HANG_SECONDS", 1)
+    assert Worker("import time; time.sleep(60)").check(k3_tiny_gguf) == {"hung": 1}
