@@ -70,9 +70,6 @@ class SequenceCache:
         """ne [index_head_dim, n_ctx]: the LayerNorm-ed indexer key per token (DSA layers)."""
         return self._index[layer]
 
-    def nbytes(self) -> int:
-        return ggml.ggml_backend_buffer_get_size(self._buffer) if self._buffer else 0
-
     def free(self) -> None:
         if self._buffer:
             ggml.ggml_backend_buffer_free(self._buffer)
