@@ -78,6 +78,23 @@ def _graph_size(cfg) -> int:
     return 1024 + cfg.num_layers * (256 + 8 * cfg.num_experts_used + 16 * n_blocks)
 
 
+# Padding when joining per-batch rows of different widths (the visible context grows).
+_JOIN_FILL = {"index_selected": -1, "index_scores": -np.inf}
+
+
+def _join(parts: list[EvalResult]) -> EvalResult:
+    """Per-batch results as one: rows concatenated, short rows padded (-1 / -inf)."""
+    out = EvalResult(np.concatenate([p.logits for p in parts]))
+    for name in ("hidden", "index_selected", "index_scores", "moe_experts", "moe_weights"):
+        for layer in getattr(parts[0], name):
+            rows = [getattr(p, name)[layer] for p in parts]
+            width = max(r.shape[1] for r in rows)
+            fill = _JOIN_FILL.get(name, 0)
+            getattr(out, name)[layer] = np.concatenate(
+                [np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=fill) for r in rows])
+    return out
+
+
 def _fixture_selection(sel: np.ndarray, n_past: int, width: int) -> np.ndarray:
     """Rows of selected positions -> visible ones only, ascending, padded with -1 to `width`."""
     out = np.full((sel.shape[0], width), -1, dtype=np.int32)
@@ -91,15 +108,17 @@ class Model:
     """A loaded GGUF plus one sequence's caches. Not thread-safe; one sequence at a time."""
 
     def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
-                 top_k: int | None, n_threads: int):
+                 top_k: int | None, n_threads: int, n_batch: int | None = None):
         self.weights = weights
         self.cfg = weights.cfg
         self.exact = exact
         self.dsa = dsa
         self._top_k: int | None = None
         self.top_k = top_k  # validated before any ggml object exists
-        if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
-            raise EvalError(f"n_threads must be an integer >= 1, got {n_threads!r}")
+        for name, value in (("n_threads", n_threads), ("n_batch", 1 if n_batch is None else n_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EvalError(f"{name} must be an integer >= 1, got {value!r}")
+        self.n_batch = n_batch
         self._exec = Executor(n_threads)
         self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
                                    with_indexer=dsa and self.cfg.indexer is not None)
@@ -107,13 +126,15 @@ class Model:
 
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
-             top_k: int | None = None, n_threads: int | None = None) -> "Model":
+             top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None) -> "Model":
         """Open and validate a kimi-k3 GGUF.
 
         exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
         F32 activations in every matmul), which matches Moonshot's reference to fp32 noise; the
         default fast path runs the MXFP4 experts as llama.cpp does. dsa: run the indexer of a
-        K3.1-Pro GGUF (False: dense MLA). top_k: override the GGUF's indexer top-k.
+        K3.1-Pro GGUF (False: dense MLA). top_k: override the GGUF's indexer top-k. n_batch:
+        the most tokens one graph computes (None: a whole call at once); the exact path's expert
+        scratch grows with it (3 x k experts x n_tokens dequantized F32 matrices per MoE layer).
         """
         weights = load_gguf(path)
         if not 1 <= n_ctx <= weights.cfg.context_length:
@@ -121,7 +142,7 @@ class Model:
             raise EvalError(f"{path}: n_ctx must be in 1..{weights.cfg.context_length}, got {n_ctx}")
         try:
             return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
-                       n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads)
+                       n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads, n_batch=n_batch)
         except EvalError:
             weights.close()
             raise
@@ -160,9 +181,18 @@ class Model:
         return self.run(tokens).logits
 
     def run(self, tokens: Sequence[int], want: Iterable[str] = ()) -> EvalResult:
-        """Like eval, with extra outputs: any of "hidden", "index_selected", "index_scores", "moe"."""
+        """Like eval, with extra outputs: any of "hidden", "index_selected", "index_scores", "moe".
+
+        With n_batch set, the tokens go through the graph n_batch at a time (the caches make
+        that the same computation); the results are joined as if computed in one call.
+        """
         want = frozenset(want)
         ids = self._check_tokens(tokens, want)
+        step = self.n_batch or len(ids)
+        parts = [self._run_batch(ids[i:i + step], want) for i in range(0, len(ids), step)]
+        return parts[0] if len(parts) == 1 else _join(parts)
+
+    def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
                        top_k=self.top_k, wants=want)
         with self._exec.graph(self._graph_size, make) as g:

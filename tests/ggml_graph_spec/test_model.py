@@ -196,3 +196,30 @@ def test_top_k_override_and_dsa_switch(k31pro_tiny_gguf):
     finally:
         m.close()
         off.close()
+
+
+def test_n_batch_splits_a_call_into_graphs_with_the_same_result(k31pro_tiny_gguf, k31pro_tiny_dir):
+    """Forced top-k 8 so the DSA outputs are non-trivial: selections and scores of the long
+    prompt joined from 7-token graphs keep the fixture's layout and values."""
+    ref = _reference(k31pro_tiny_dir)
+    whole = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, exact_experts=True, top_k=8, n_threads=1)
+    batched = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, exact_experts=True, top_k=8, n_threads=1, n_batch=7)
+    want = ("index_selected", "index_scores", "hidden", "moe")
+    try:
+        a, b = whole.run(ref["input_ids_long"], want=want), batched.run(ref["input_ids_long"], want=want)
+        assert batched.n_past == len(ref["input_ids_long"])
+        _assert_logits(b.logits, a.logits, "n_batch 7 vs whole")
+        _assert_logits(b.logits, ref["topk8__logits_long"], "n_batch 7 vs reference")
+        for layer in ref["index_layers"]:
+            np.testing.assert_array_equal(b.index_selected[layer], ref[f"topk8__index_selected_long_layer_{layer}"])
+            assert b.index_scores[layer].shape == a.index_scores[layer].shape
+            np.testing.assert_array_equal(np.isinf(b.index_scores[layer]), np.isinf(a.index_scores[layer]))
+        for layer in a.hidden:
+            np.testing.assert_allclose(b.hidden[layer], a.hidden[layer], atol=HIDDEN_ATOL)
+        for layer in a.moe_experts:
+            np.testing.assert_array_equal(b.moe_experts[layer], a.moe_experts[layer])
+    finally:
+        whole.close()
+        batched.close()
+    with pytest.raises(EvalError, match="n_batch"):
+        Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, n_batch=0)
