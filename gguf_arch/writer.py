@@ -16,6 +16,8 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -127,15 +129,34 @@ def _pad(fout, alignment: int) -> None:
     fout.write(b"\0" * (-fout.tell() % alignment))
 
 
+# Chunks handed to the writer thread and not yet written (at most 2 x 64 MiB, mostly page-cache views).
+WRITE_AHEAD = 2
+
+
 def _write_data(fout, layout: GGUFLayout, alignment: int, chunks_for: Callable[[OutputTensor], Iterable]) -> None:
-    for t in layout.tensors:
-        _pad(fout, alignment)
-        written = 0
-        for chunk in chunks_for(t):
-            written += fout.write(chunk)
-        if written != t.nbytes:
-            raise ValueError(f"{t.name}: produced {written} bytes, planned {t.nbytes}")
-    _pad(fout, alignment)
+    """Tensor bytes in layout order, each padded to `alignment` (the header already is).
+
+    The writes run on a thread of their own (a large write releases the GIL), so the next chunk is
+    produced (repacked, hashed, faulted in from the shard) while the previous one is copied out.
+    """
+    pending: deque[Future] = deque()
+
+    def put(data) -> None:
+        pending.append(writer.submit(fout.write, data))
+        while len(pending) > WRITE_AHEAD:
+            pending.popleft().result()
+
+    with ThreadPoolExecutor(1) as writer:
+        for t in layout.tensors:
+            written = 0
+            for chunk in chunks_for(t):
+                put(chunk)
+                written += memoryview(chunk).nbytes
+            if written != t.nbytes:
+                raise ValueError(f"{t.name}: produced {written} bytes, planned {t.nbytes}")
+            put(b"\0" * (-t.nbytes % alignment))
+        while pending:
+            pending.popleft().result()
 
 
 def _fsync_dir(directory: Path) -> None:
