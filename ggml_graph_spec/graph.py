@@ -1,4 +1,4 @@
-"""The per-call graph context every block builder receives (conventions: notes/graph-interface.md).
+"""The per-call graph context every block builder receives, and the executor that runs it.
 
 A `GraphBuild` bundles the ggml context and graph being built with what one `eval` call knows:
 how many tokens, how many are already cached, the causal mask, the exact/fast switch, the DSA
@@ -35,7 +35,12 @@ def causal_mask(n_past: int, n_tokens: int) -> np.ndarray:
 
 
 class GraphBuild:
-    """One graph under construction; see notes/graph-interface.md for the contract."""
+    """One graph under construction.
+
+    Builders read ctx/gf/cfg/cache, n_tokens, n_past, n_kv = n_past + n_tokens, exact, and
+    kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`, write the
+    persistent caches with `store` / `overwrite`, and keep extra outputs with `record`.
+    """
 
     def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
                  top_k: int | None, wants: Iterable[str] = ()):
@@ -52,7 +57,6 @@ class GraphBuild:
         self.inputs: list[tuple[Any, np.ndarray]] = []
         self.records: dict[tuple[str, int], Any] = {}
         self.kq_mask = self.input("kq_mask", F32, (self.n_kv, n_tokens), causal_mask(self.n_past, n_tokens))
-        self.pos = self.input("pos", I32, (n_tokens,), np.arange(self.n_past, self.n_kv, dtype=np.int32))
 
     # ---- inputs and outputs ------------------------------------------------------------------
     def input(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):

@@ -206,6 +206,7 @@ def check_tensors(cfg: K3Config, found: Mapping[str, Any], where: str) -> list[P
 _cpu_buffer_from_ptr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
     ctypes.cast(ggml.lib.ggml_backend_cpu_buffer_from_ptr, ctypes.c_void_p).value)
 
+
 def _open_reader(path: Path) -> GGUFReader:
     try:
         return GGUFReader(path, "r")
