@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print every output file and tensor with its type and bytes; read only config.json "
                         "and the shard headers, write nothing")
-    p.add_argument("--split-max-size", metavar="N(K|M|G)", default="0",
+    p.add_argument("--split-max-size", metavar="N(K|M|G)",
                    help="split the output into OUT-00001-of-0000N.gguf parts of at most this much tensor data "
                         "(powers of 1000, as llama.cpp; a larger tensor gets a part of its own)")
     p.add_argument("--split-max-tensors", metavar="N", type=int, default=0,
@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace, log) -> None:
             print("\n".join([source, *types.log, *format_tensor_types(types)]))
         if args.export_quantize_rules:
             log(write_quantize_rules(args.export_quantize_rules, types))
-    split = SplitLimits(parse_size(args.split_max_size) if args.split_max_size != "0" else 0,
+    split = SplitLimits(parse_size(args.split_max_size) if args.split_max_size is not None else 0,
                         args.split_max_tensors)
     if args.dry_run:
         print("\n".join(plan_lines(*planned_files(args.model_dir, args.out, dsa=not args.no_dsa, quant=quant,
