@@ -20,6 +20,9 @@ F32 = ggml.GGML_TYPE_F32
 F16 = ggml.GGML_TYPE_F16
 I32 = ggml.GGML_TYPE_I32
 
+# The exact path dequantizes weights in chunks of at most this many F32 bytes (see GraphBuild.mm).
+DEQUANT_CHUNK_BYTES = 256 << 20
+
 _NUMPY_OF = {F32: np.float32, F16: np.float16, I32: np.int32}
 
 
@@ -56,6 +59,7 @@ class GraphBuild:
         self._wants = frozenset(wants)
         self.inputs: list[tuple[Any, np.ndarray]] = []
         self.records: dict[tuple[str, int], Any] = {}
+        self._row_ids: dict[int, Any] = {}  # n -> I32 input 0..n-1 (exact path's weight rows)
         self.kq_mask = self.input("kq_mask", F32, (self.n_kv, n_tokens), causal_mask(self.n_past, n_tokens))
 
     # ---- inputs and outputs ------------------------------------------------------------------
@@ -108,12 +112,32 @@ class GraphBuild:
 
         ggml's CPU matmul converts the activations to the weight's vec_dot type first (BF16
         for BF16 weights, Q8 for quantized ones), which moves the result by ~0.2%. The exact
-        path therefore casts a non-F32 weight to F32 inside the graph (ggml-alloc reuses that
-        scratch memory across layers).
+        path therefore multiplies F32 copies of the weight's rows, made inside the graph by
+        get_rows (which dequantizes every type), at most DEQUANT_CHUNK_BYTES of them at a time:
+        ggml-alloc frees each chunk after its matmul, so the scratch stays one chunk (the 4.7 GB
+        output matrix of the real model included), while every call still pays one pass of
+        dequantization over each non-F32 weight it uses.
         """
-        if self.exact and w.contents.type != F32:
-            w = ggml.ggml_cast(self.ctx, w, F32)
-        return ggml.ggml_mul_mat(self.ctx, w, x)
+        if not self.exact or w.contents.type == F32:
+            return ggml.ggml_mul_mat(self.ctx, w, x)
+        n_in, n_rows = w.contents.ne[0], ggml.ggml_nrows(w)
+        if ggml.ggml_n_dims(w) > 2:  # per-head batched weights (attn_k_b, attn_v_b): small
+            f32 = self._f32_rows(ggml.ggml_reshape_2d(self.ctx, w, n_in, n_rows), 0, n_rows)
+            return ggml.ggml_mul_mat(self.ctx, ggml.ggml_reshape_3d(self.ctx, f32, *w.contents.ne[:3]), x)
+        step = max(1, DEQUANT_CHUNK_BYTES // (4 * n_in))
+        out = None
+        for r0 in range(0, n_rows, step):
+            part = ggml.ggml_mul_mat(self.ctx, self._f32_rows(w, r0, min(step, n_rows - r0)), x)
+            out = part if out is None else ggml.ggml_concat(self.ctx, out, part, 0)
+        return out
+
+    def _f32_rows(self, w, r0: int, n: int):
+        """Rows r0 .. r0+n-1 of a 2-D weight as a new F32 tensor [ne0, n]."""
+        nb1 = w.contents.nb[1]
+        rows = ggml.ggml_view_2d(self.ctx, w, w.contents.ne[0], n, nb1, r0 * nb1)
+        if n not in self._row_ids:
+            self._row_ids[n] = self.input(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32))
+        return ggml.ggml_get_rows(self.ctx, rows, self._row_ids[n])
 
     def rms_norm(self, x, weight, eps: float):
         """weight * x / sqrt(mean(x^2) + eps), over ne0."""

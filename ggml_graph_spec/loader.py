@@ -28,13 +28,16 @@ from gguf_arch import keys as K
 from gguf_arch.config import IndexerConfig, K3Config, KDAConfig
 from gguf_arch.errors import GGUFError
 from gguf_arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
+from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
-# Types a "source precision" tensor (matrices, embeddings) may have: the float types the
-# converter writes plus the block-quantized types ggml's CPU matmul and get_rows handle
-# (a later issue converts trunks to Q8_0).
-SOURCE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-                          Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-_ALLOWED_TYPES = {OUT_SOURCE: SOURCE_TYPES, OUT_F32: frozenset({Q.F32}), OUT_MXFP4: frozenset({Q.MXFP4})}
+# Types a "source precision" tensor (matrices, embeddings) may have: every type the converter
+# can write (quant_rules: --outtype / --tensor-type) plus the K-quants llama-quantize writes;
+# ggml's CPU matmul and get_rows handle all of them. Contract-F32 tensors are all protected
+# (quant_rules/protected.json), so F32 only; the routed experts are MXFP4 or what
+# --requantize-experts writes.
+SOURCE_TYPES = frozenset(WRITABLE_TYPES) | {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+_ALLOWED_TYPES = {OUT_SOURCE: SOURCE_TYPES, OUT_F32: frozenset({Q.F32}),
+                  OUT_MXFP4: frozenset({Q.MXFP4, *EXPERT_TYPES})}
 
 _SPLIT_COUNT = "split.count"
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")

@@ -23,7 +23,7 @@ from gguf_arch.errors import KimiError
 
 from .blocks import ResidualBank, attn_res, build_dense_ffn, build_kda, build_moe
 from .cache import SequenceCache
-from .graph import I32, Executor, GraphBuild
+from .graph import DEQUANT_CHUNK_BYTES, I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
 from .mla import build_mla
 
@@ -72,10 +72,14 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
     return g.mm(t["output.weight"], out)  # [vocab, T]
 
 
-def _graph_size(cfg) -> int:
-    """Node budget: generous per layer (AttnRes grows with the bank, MoE with the expert count)."""
+def _graph_size(weights: GGUFWeights) -> int:
+    """Node budget: generous per layer (AttnRes grows with the bank, MoE with the expert count),
+    plus the exact path's dequantization chunks (3 nodes each) of every 2-D weight."""
+    cfg = weights.cfg
     n_blocks = cfg.num_layers // cfg.attn_res_block_size + 2
-    return 1024 + cfg.num_layers * (256 + 8 * cfg.num_experts_used + 16 * n_blocks)
+    chunks = sum(-(-4 * ggml.ggml_nelements(t) // DEQUANT_CHUNK_BYTES)
+                 for t in weights.tensors.values() if ggml.ggml_n_dims(t) <= 2)
+    return 1024 + cfg.num_layers * (256 + 8 * cfg.num_experts_used + 16 * n_blocks) + 3 * chunks
 
 
 # Padding when joining per-batch rows of different widths (the visible context grows).
@@ -122,7 +126,7 @@ class Model:
         self._exec = Executor(n_threads)
         self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
                                    with_indexer=dsa and self.cfg.indexer is not None)
-        self._graph_size = _graph_size(self.cfg)
+        self._graph_size = _graph_size(weights)
 
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
