@@ -24,7 +24,8 @@ from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, KimiError
 from gguf_arch.tensors import plan_tensors
 
 from .loader import GGUFWeights, config_from_metadata, load_gguf
-from .model import Model
+from .graph import DSA_PATHS
+from .model import DEFAULT_DSA_PATH, Model
 from .perplexity import chunk_count, perplexity
 from .sampling import DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams
 from .tokenizer import BPETokenizer
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a GGUF metadata value, e.g. kimi-k3.attention.indexer.top_k=int:64 (repeatable)")
     p.add_argument("--dsa", choices=("on", "off"), default="on",
                    help="run the DSA indexer of a K3.1-Pro GGUF (off: dense MLA attention)")
+    p.add_argument("--dsa-path", choices=DSA_PATHS, default=DEFAULT_DSA_PATH,
+                   help="DSA attention: gather = over only the top_k selected cache rows per query, masked = over "
+                        f"the whole cache with the selection as a mask (same logits; default {DEFAULT_DSA_PATH})")
     p.add_argument("--exact-experts", action="store_true",
                    help="exact path: F32 activations in every matmul, F32 caches, no flash attention")
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
@@ -264,7 +268,8 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
         tokenizer = BPETokenizer.from_gguf(weights.path)
         apply_kv_overrides(weights, tokenizer, dict(args.override_kv))
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
-                      dsa=args.dsa == "on", top_k=None, n_threads=args.threads or os.cpu_count() or 1)
+                      dsa=args.dsa == "on", top_k=None, n_threads=args.threads or os.cpu_count() or 1,
+                      dsa_path=args.dsa_path)
     except BaseException:
         weights.close()
         raise
@@ -281,7 +286,7 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
     types = Counter(ggml.ggml_type_name(t.contents.type).decode() for t in w.tensors.values())
     dsa = "none (plain kimi-k3)"
     if cfg.indexer is not None:
-        state = f"on, top_k {model.top_k}" if model.top_k is not None else "off: dense MLA"
+        state = f"on, top_k {model.top_k}, {model.dsa_path}" if model.top_k is not None else "off: dense MLA"
         dsa = f"{list(cfg.indexer.layers)} ({state})"
     rows = [
         ("file", f"{w.path}"),

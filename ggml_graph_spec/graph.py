@@ -20,6 +20,10 @@ F32 = ggml.GGML_TYPE_F32
 F16 = ggml.GGML_TYPE_F16
 I32 = ggml.GGML_TYPE_I32
 
+# How a DSA layer attends to its selected keys: "masked" runs attention over the whole cache with
+# the selection as a mask; "gather" copies only the selected cache rows and attends over those.
+DSA_PATHS = ("masked", "gather")
+
 # The exact path dequantizes weights in chunks of at most this many F32 bytes (see GraphBuild.mm).
 DEQUANT_CHUNK_BYTES = 256 << 20
 
@@ -40,13 +44,13 @@ def causal_mask(n_past: int, n_tokens: int) -> np.ndarray:
 class GraphBuild:
     """One graph under construction.
 
-    Builders read ctx/gf/cfg/cache, n_tokens, n_past, n_kv = n_past + n_tokens, exact, and
-    kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`, write the
+    Builders read ctx/gf/cfg/cache, n_tokens, n_past, n_kv = n_past + n_tokens, exact, dsa_path
+    (one of DSA_PATHS), and kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`, write the
     persistent caches with `store` / `overwrite`, and keep extra outputs with `record`.
     """
 
     def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
-                 top_k: int | None, wants: Iterable[str] = ()):
+                 top_k: int | None, wants: Iterable[str] = (), dsa_path: str = "masked"):
         self.ctx = ctx
         self.gf = gf
         self.cfg = cfg
@@ -56,6 +60,9 @@ class GraphBuild:
         self.n_kv = self.n_past + n_tokens
         self.exact = exact
         self._top_k = top_k
+        if dsa_path not in DSA_PATHS:
+            raise ValueError(f"dsa_path must be one of {DSA_PATHS}, got {dsa_path!r}")
+        self.dsa_path = dsa_path
         self._wants = frozenset(wants)
         self.inputs: list[tuple[Any, np.ndarray]] = []
         self.records: dict[tuple[str, int], Any] = {}

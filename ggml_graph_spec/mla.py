@@ -27,6 +27,10 @@ LATENT_NORM_EPS = 1e-6
 
 _F16 = ggml.GGML_TYPE_F16
 
+# The gathered DSA path copies T * k cache rows; queries go through in groups of at most this
+# many bytes of them (see attend_gathered).
+GATHER_CHUNK_BYTES = 64 << 20
+
 
 def q_lora_latent(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """cq = rmsnorm(attn_q_a x), [q_lora, T]: the MLA queries and the DSA indexer queries read it."""
@@ -83,6 +87,74 @@ def attend_flash(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: floa
     return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
 
 
+def _gathered_rows(g: GraphBuild, kv: Tensor, sel: Tensor) -> Tensor:
+    """The cache rows sel [k, T] names, per query: [D, k, T] F32 (get_rows dequantizes F16)."""
+    k, T = sel.contents.ne[0], sel.contents.ne[1]
+    rows = ggml.ggml_get_rows(g.ctx, kv, ggml.ggml_reshape_1d(g.ctx, sel, k * T))
+    return ggml.ggml_reshape_3d(g.ctx, rows, kv.contents.ne[0], k, T)
+
+
+def _attend_gathered_exact(g: GraphBuild, q: Tensor, rows: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q [D, H, T], rows [D, k, T] F32, mask [k, 1, T] (0 / -inf) -> [kv_lora, H, T].
+
+    The mask is added before the scale: its values are 0 and -inf, which the scale keeps, so
+    the softmax sees scale * q.k + mask as soft_max_ext does on the masked path."""
+    ctx = g.ctx
+    kq = ggml.ggml_add(ctx, ggml.ggml_mul_mat(ctx, rows, q), mask)  # [k, H, T]
+    p = ggml.ggml_soft_max_ext(ctx, kq, None, scale, 0.0)
+    r = rows.contents
+    v = ggml.ggml_view_3d(ctx, rows, g.cfg.kv_lora_rank, r.ne[1], r.ne[2], r.nb[1], r.nb[2], 0)
+    v_t = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, v, 1, 0, 2, 3))  # [k, kv_lora, T]
+    return ggml.ggml_mul_mat(ctx, v_t, p)
+
+
+def _attend_gathered_flash(g: GraphBuild, q: Tensor, rows: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """flash_attn_ext with one query per batch entry and its own k keys: the gathered rows go
+    back to F16 (the cache's own values) so the kernel rounds as on the masked path."""
+    ctx = g.ctx
+    D, H, T = q.contents.ne[0], q.contents.ne[1], q.contents.ne[2]
+    k = rows.contents.ne[1]
+    kv = ggml.ggml_reshape_4d(ctx, ggml.ggml_cast(ctx, rows, _F16), D, k, 1, T)
+    v = ggml.ggml_view_4d(ctx, kv, g.cfg.kv_lora_rank, k, 1, T, kv.contents.nb[1], kv.contents.nb[2],
+                          kv.contents.nb[3], 0)
+    o = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_reshape_4d(ctx, q, D, 1, H, T), kv, v,
+                                 ggml.ggml_cast(ctx, ggml.ggml_reshape_4d(ctx, mask, k, 1, 1, T), _F16),
+                                 scale, 0.0, 0.0)  # [kv_lora, H, 1, T]
+    return ggml.ggml_reshape_3d(ctx, o, g.cfg.kv_lora_rank, H, T)
+
+
+def attend_gathered(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, k: int, scale: float) -> Tensor:
+    """Attention of each query over only its k selected cache rows -> [kv_lora, T, H].
+
+    The selection is read back from the DSA mask (0 on the selected visible keys, -inf
+    elsewhere) with ggml_top_k; a query that sees fewer than k keys also gets invisible cells,
+    whose gathered mask value (-inf) removes them again. The gathered rows take T * k * D * 4
+    bytes, so the queries go through in groups of at most GATHER_CHUNK_BYTES of rows (ggml-alloc
+    reuses the memory from group to group)."""
+    ctx, T, D = g.ctx, g.n_tokens, kv.contents.ne[0]
+    sel = ggml.ggml_cont(ctx, ggml.ggml_top_k(ctx, mask, k))  # [k, T]
+    sel_mask = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, mask, 1, g.n_kv, T), sel)  # [1, k, T]
+    q = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3))  # [D, T, H] -> [D, H, T]
+    attend = _attend_gathered_exact if g.exact else _attend_gathered_flash
+    step = max(1, GATHER_CHUNK_BYTES // (k * D * 4))
+    out = None
+    for t0 in range(0, T, step):
+        n = min(step, T - t0)
+        rows = _gathered_rows(g, kv, _cols(g, sel, t0, n, 2))
+        part = attend(g, _cols(g, q, t0, n, 3), rows, ggml.ggml_reshape_3d(ctx, _cols(g, sel_mask, t0, n, 3), k, 1, n),
+                      scale)
+        out = part if out is None else ggml.ggml_concat(ctx, out, part, 2)
+    return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, out, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
+
+
+def _cols(g: GraphBuild, t: Tensor, t0: int, n: int, n_dims: int) -> Tensor:
+    """Tokens t0 .. t0+n-1 (the last dimension) of a [a, T] (n_dims 2) or [a, b, T] tensor: a view."""
+    c = t.contents
+    if n_dims == 3:
+        return ggml.ggml_view_3d(g.ctx, t, c.ne[0], c.ne[1], n, c.nb[1], c.nb[2], t0 * c.nb[2])
+    return ggml.ggml_view_2d(g.ctx, t, c.ne[0], n, c.nb[1], t0 * c.nb[1])
+
+
 def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """Gated NoPE MLA of layer `w.layer` (DSA-masked when `g.dsa_top_k` says so): [n_embd, T]."""
     c = g.cfg
@@ -93,8 +165,10 @@ def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     top_k = g.dsa_top_k(w.layer)
     mask = g.kq_mask if top_k is None else dsa.build_dsa_mask(g, w, x, cq, top_k)
     scale = c.qk_head_dim ** -0.5  # the full nope + rope head dim, not the absorbed length
-    attend = attend_exact if g.exact else attend_flash
-    o_lat = attend(g, q, kv, mask, scale)  # [kv_lora, T, H]
+    if top_k is not None and g.dsa_path == "gather" and top_k < g.n_kv:
+        o_lat = attend_gathered(g, q, kv, mask, top_k, scale)
+    else:  # dense, masked DSA, or a selection that is the whole visible context anyway
+        o_lat = (attend_exact if g.exact else attend_flash)(g, q, kv, mask, scale)  # [kv_lora, T, H]
     o = g.mm(w("attn_v_b.weight"), o_lat)  # [v_dim, T, H]
     o = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [v_dim, H, T]
     o = ggml.ggml_reshape_2d(ctx, o, c.v_head_dim * c.num_heads, T)

@@ -23,9 +23,12 @@ from gguf_arch.errors import KimiError
 
 from .blocks import ResidualBank, attn_res, build_dense_ffn, build_kda, build_moe
 from .cache import SequenceCache
-from .graph import DEQUANT_CHUNK_BYTES, I32, Executor, GraphBuild
+from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
 from .mla import build_mla
+
+# Measured by bench/graph.py (the README's crossover): the gathered path is the faster one.
+DEFAULT_DSA_PATH = "gather"
 
 WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe"})
 
@@ -112,7 +115,7 @@ class Model:
     """A loaded GGUF plus one sequence's caches. Not thread-safe; one sequence at a time."""
 
     def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
-                 top_k: int | None, n_threads: int, n_batch: int | None = None):
+                 top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str = DEFAULT_DSA_PATH):
         self.weights = weights
         self.cfg = weights.cfg
         self.exact = exact
@@ -123,6 +126,9 @@ class Model:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EvalError(f"{name} must be an integer >= 1, got {value!r}")
         self.n_batch = n_batch
+        if dsa_path not in DSA_PATHS:
+            raise EvalError(f"dsa_path must be one of {', '.join(DSA_PATHS)}, got {dsa_path!r}")
+        self.dsa_path = dsa_path
         self._exec = Executor(n_threads)
         self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
                                    with_indexer=dsa and self.cfg.indexer is not None)
@@ -130,7 +136,8 @@ class Model:
 
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
-             top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None) -> "Model":
+             top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None,
+             dsa_path: str = DEFAULT_DSA_PATH) -> "Model":
         """Open and validate a kimi-k3 GGUF.
 
         exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
@@ -139,6 +146,8 @@ class Model:
         K3.1-Pro GGUF (False: dense MLA). top_k: override the GGUF's indexer top-k. n_batch:
         the most tokens one graph computes (None: a whole call at once); the exact path's expert
         scratch grows with it (3 x k experts x n_tokens dequantized F32 matrices per MoE layer).
+        dsa_path: "gather" attends over only the top_k selected cache rows of each query, "masked"
+        over the whole cache with the selection as a mask (same logits to f32 rounding).
         """
         weights = load_gguf(path)
         if not 1 <= n_ctx <= weights.cfg.context_length:
@@ -146,7 +155,8 @@ class Model:
             raise EvalError(f"{path}: n_ctx must be in 1..{weights.cfg.context_length}, got {n_ctx}")
         try:
             return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
-                       n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads, n_batch=n_batch)
+                       n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads, n_batch=n_batch,
+                       dsa_path=dsa_path)
         except EvalError:
             weights.close()
             raise
@@ -198,7 +208,7 @@ class Model:
 
     def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
-                       top_k=self.top_k, wants=want)
+                       top_k=self.top_k, wants=want, dsa_path=self.dsa_path)
         with self._exec.graph(self._graph_size, make) as g:
             logits = build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))
             self._exec.compute(g, [logits])

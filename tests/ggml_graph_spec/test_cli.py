@@ -68,8 +68,12 @@ def test_generation_stops_at_the_eos_token(capsys, k3_tiny_gguf, k3_ref):
 def test_dsa_top_k_override_and_dsa_off(capsys, k31pro_tiny_gguf, k31_ref):
     top8, err = _greedy(capsys, k31pro_tiny_gguf, "--override-kv", "kimi-k3.attention.indexer.top_k=int:8")
     assert top8 == _decode(k31pro_tiny_gguf, k31_ref["topk8__greedy_ids"])
-    assert "DSA layers       = [3, 7, 11, 12] (on, top_k 8)" in err
+    assert "DSA layers       = [3, 7, 11, 12] (on, top_k 8, gather)" in err
     assert "override         = kimi-k3.attention.indexer.top_k = 8" in err
+    masked, err = _greedy(capsys, k31pro_tiny_gguf, "--override-kv", "kimi-k3.attention.indexer.top_k=int:8",
+                          "--dsa-path", "masked")
+    assert masked == top8
+    assert "DSA layers       = [3, 7, 11, 12] (on, top_k 8, masked)" in err
     dense, err = _greedy(capsys, k31pro_tiny_gguf, "--dsa", "off")
     assert dense == _decode(k31pro_tiny_gguf, k31_ref["greedy_ids"])  # top-k 2048 >= every length: dense
     assert "DSA layers       = [3, 7, 11, 12] (off: dense MLA)" in err

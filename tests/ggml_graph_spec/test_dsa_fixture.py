@@ -11,6 +11,7 @@ import pytest
 from gguf import GGUFReader
 
 from gguf_arch.keys import INDEXER_TOP_K
+from ggml_graph_spec.graph import DSA_PATHS
 from ggml_graph_spec.model import Model
 
 PROMPTS = ("short", "long")
@@ -30,9 +31,10 @@ def reference(k31pro_tiny_dir):
         return {k: z[k] for k in z.files}
 
 
-@pytest.fixture(scope="module")
-def model(k31pro_tiny_gguf):
-    m = Model.load(k31pro_tiny_gguf, n_ctx=128, exact_experts=True)
+@pytest.fixture(scope="module", params=DSA_PATHS)
+def model(k31pro_tiny_gguf, request):
+    """Every gate runs on both DSA attention paths (masked and gathered)."""
+    m = Model.load(k31pro_tiny_gguf, n_ctx=128, exact_experts=True, dsa_path=request.param)
     yield m
     m.close()
 
