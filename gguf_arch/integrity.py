@@ -22,20 +22,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
+from gguf.constants import Keys
 
-from .diff import iter_tensor_diffs
+from .diff import MISSING, iter_tensor_diffs
 from .errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError
 from .safetensors_index import open_checkpoint
+from .split import part_path
 
 MANIFEST_FORMAT = "kimi-k3-gguf-sha256/1"
 _READ_BYTES = 16 << 20
 _HEX = frozenset("0123456789abcdef")
+_FIRST_PART = re.compile(r"(?P<stem>.*)-00001-of-(?P<count>\d{5})\.gguf")
 
 
 class IntegrityError(KimiError):
@@ -183,20 +187,49 @@ def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
             raise IntegrityError(f"{gguf}: tensor {name}: SHA-256 differs from the manifest (corrupted bytes)")
 
 
+def gguf_parts(gguf: Path) -> list[Path]:
+    """The files of a conversion: `gguf` itself, or every part of a split given its first part."""
+    field = _open_gguf(gguf).fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+    count = int(field.contents()) if field is not None else 1
+    if count <= 1:
+        return [gguf]
+    m = _FIRST_PART.fullmatch(gguf.name)
+    if m is None or int(m["count"]) != count:
+        raise GGUFError(f"{gguf}: part of a {count}-part split; give the first part, "
+                        f"'<name>-00001-of-{count:05d}.gguf'")
+    out = gguf.with_name(m["stem"] + ".gguf")
+    return [part_path(out, no, count) for no in range(1, count + 1)]
+
+
 def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] = print) -> None:
-    """Stored digests first, then every tensor recomputed from the checkpoint; raise at the first difference."""
+    """Stored digests first, then every tensor recomputed from the checkpoint; raise at the first difference.
+
+    A split conversion is verified from its first part: every part against its own manifest, then
+    each part's tensors against the checkpoint (a tensor the diff misses in one part must be listed
+    by another part's manifest).
+    """
     # The converter's strict reader vets the index (no shard name outside MODEL_DIR) and every
     # header before the diff's own reader opens a shard.
     open_checkpoint(model_dir).close()
-    if not Path(gguf).is_file():
+    gguf = Path(gguf)
+    if not gguf.is_file():
         raise GGUFError(f"{gguf}: not found (expected the converted GGUF file)")
-    manifest = read_manifest(gguf)
-    check_hashes(gguf, manifest)
-    log(f"{gguf}: {len(manifest.tensors)} tensor digests match {manifest_path(gguf).name}")
-    intended = {d.name: d.ggml_type for d in manifest.tensors}
+    manifests = {gguf: read_manifest(gguf)}
+    check_hashes(gguf, manifests[gguf])  # before anything else parses the file
+    for part in gguf_parts(gguf)[1:]:
+        if not part.is_file():
+            raise GGUFError(f"{part}: not found (a part of the split {gguf})")
+        manifests[part] = read_manifest(part)
+        check_hashes(part, manifests[part])
+    intended = {d.name: d.ggml_type for m in manifests.values() for d in m.tensors}
+    log(f"{gguf}: {len(intended)} tensor digests match the manifest(s) of {len(manifests)} file(s)")
     n = 0
-    for diff in iter_tensor_diffs(model_dir, gguf, intended_types=intended):
-        if not diff.ok:
-            raise IntegrityError(f"{gguf}: differs from {model_dir}: {diff.line()}")
-        n += 1
+    for part, manifest in manifests.items():
+        here = {d.name for d in manifest.tensors}
+        for diff in iter_tensor_diffs(model_dir, part, intended_types=intended):
+            if diff.status == MISSING and diff.name in intended and diff.name not in here:
+                continue  # in another part
+            if not diff.ok:
+                raise IntegrityError(f"{part}: differs from {model_dir}: {diff.line()}")
+            n += 1
     log(f"{gguf}: all {n} tensors match {model_dir}")

@@ -174,3 +174,43 @@ def test_verify_memory_does_not_grow_with_the_model(tmp_path):
                           "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))")
     assert res.rc == 0, res.err
     assert int(res.out.split("maxrss_kb")[1]) < 160 * 1024, res.out
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> list[Path]:
+    """k31pro-tiny converted into parts of at most 100 tensors: the parts, first to last."""
+    out = tmp_path_factory.mktemp("split") / "pro.gguf"
+    assert convert_kimi_k3.main([str(PRO), str(out), "--quiet", "--split-max-tensors", "100"]) == 0
+    parts = sorted(out.parent.glob("pro-*-of-*.gguf"))
+    assert len(parts) == 4
+    return parts
+
+
+def _split_copy(parts: list[Path], tmp_path: Path) -> list[Path]:
+    return [_copy(p, tmp_path, p.name) for p in parts]
+
+
+def test_a_split_conversion_verifies_from_its_first_part(split, capsys):
+    rc, out, err = _verify(capsys, split[0])
+    assert rc == 0 and err == "", err
+    assert "manifest(s) of 4 file(s)" in out and "all 369 tensors match" in out
+
+
+def test_a_flipped_bit_in_a_later_part(split, tmp_path, capsys):
+    parts = _split_copy(split, tmp_path)
+    name = GGUFReader(parts[2]).tensors[0].name
+    _flip(parts[2], name, 0, 1)
+    _fails(capsys, parts[0], f"{parts[2]}: tensor {name}: SHA-256 differs")
+
+
+def test_a_missing_part_or_part_manifest(split, tmp_path, capsys):
+    parts = _split_copy(split, tmp_path)
+    manifest_path(parts[1]).unlink()
+    _fails(capsys, parts[0], "no integrity manifest", parts[1].name)
+    parts[3].unlink()
+    manifest_path(parts[1]).write_bytes(manifest_path(split[1]).read_bytes())
+    _fails(capsys, parts[0], f"{parts[3]}: not found (a part of the split", code=2)
+
+
+def test_a_later_part_is_not_a_starting_point(split, capsys):
+    _fails(capsys, split[1], "give the first part", code=2)
