@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 
 import pytest
 from hypothesis import given
@@ -98,6 +99,23 @@ def test_random_bytes(tmp_path, blob):
 def test_deeply_nested_header(tmp_path, depth):
     text = b"[" * depth + b"]" * depth
     (tmp_path / SHARD).write_bytes(struct.pack("<Q", len(text)) + text)
+    _check_file(tmp_path / SHARD)
+
+
+def test_a_header_with_a_huge_tensor_count_reads_in_linear_time(tmp_path):
+    """100,000 one-byte tensors (7 MB of JSON): measured 1 s of CPU; quadratic checks would take hours."""
+    n = 100_000
+    text = json.dumps({f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(n)}).encode()
+    (tmp_path / SHARD).write_bytes(struct.pack("<Q", len(text)) + text + bytes(n))
+    start = time.process_time()
+    assert len(read_shard_header(tmp_path / SHARD)) == n
+    assert time.process_time() - start < 10
+
+
+@pytest.mark.parametrize("dims", [[2 ** 62, 2 ** 62], [2 ** 64], [10 ** 30, 0]])
+def test_huge_dims(tmp_path, dims):
+    text = json.dumps({"t": {"dtype": "F32", "shape": dims, "data_offsets": [0, 4]}}).encode()
+    (tmp_path / SHARD).write_bytes(struct.pack("<Q", len(text)) + text + bytes(4))
     _check_file(tmp_path / SHARD)
 
 
