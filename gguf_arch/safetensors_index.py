@@ -16,6 +16,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,14 @@ def read_shard_header(path: Path) -> dict[str, TensorEntry]:
     """Parse and validate one shard's header without reading tensor data."""
     shard = path.name
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO planted under a shard's name must not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
+            raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is {kind}")
+        with open(fd, "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
             head = f.read(8)
@@ -130,8 +138,6 @@ def read_shard_header(path: Path) -> dict[str, TensorEntry]:
             header_bytes = f.read(hlen)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is a directory") from None
     try:
         header = json.loads(header_bytes.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
