@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -56,10 +57,16 @@ def model_dir(tmp_path) -> Path:
 
 def _check_index(model_dir: Path, monkeypatch, blob: bytes) -> None:
     (model_dir / safetensors_index.INDEX_FILE).write_bytes(blob)
-    opened = []
-    real_open = open
-    monkeypatch.setattr(safetensors_index, "open", lambda p, *a, **k: opened.append(Path(p)) or real_open(p, *a, **k),
-                        raising=False)
+    opened: list[Path] = []
+
+    def recording(real):
+        def opener(p, *a, **k):
+            if not isinstance(p, int):  # a file descriptor was recorded when it was opened
+                opened.append(Path(p))
+            return real(p, *a, **k)
+        return opener
+    monkeypatch.setattr(safetensors_index, "open", recording(open), raising=False)
+    monkeypatch.setattr(safetensors_index.os, "open", recording(os.open))
     ckpt = _raises_cleanly(CheckpointError, safetensors_index.open_checkpoint, model_dir)
     root = model_dir.resolve()
     assert all(p.resolve().parent == root for p in opened), opened

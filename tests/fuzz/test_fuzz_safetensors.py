@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import time
 
@@ -123,3 +124,12 @@ def test_huge_dims(tmp_path, dims):
 def test_corpus(tmp_path, path):
     (tmp_path / SHARD).write_bytes(path.read_bytes())
     _check_file(tmp_path / SHARD)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_shard_that_is_not_a_regular_file(tmp_path, kind):
+    """A FIFO under a shard's name would block a plain open() forever; it is refused at once."""
+    path = tmp_path / SHARD
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    with pytest.raises(CheckpointError, match="not a regular file" if kind == "fifo" else "is a directory"):
+        read_shard_header(path)
