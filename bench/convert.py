@@ -10,11 +10,13 @@ large --variant k3`: real hidden size 7168, real expert shapes, 4 layers, 64 MXF
   llama_cpp  llama.cpp's `convert_hf_to_gguf.py --outtype bf16` (same types as ours: bf16 kept,
              experts repacked to MXFP4), from the llama-cpp-python 0.3.36 source distribution
              fetched with `pip download` into WORKDIR (never into the repository).
-and our converter once more on a checkpoint with half the experts, to show peak RSS is flat.
+and our converter once more on a checkpoint with half the experts (7.4 GB: attention and the dense
+layer stay), to show that peak RSS does not follow the checkpoint size.
 
 Each timing runs from the start of the command until its output is on disk (a `sync` after it:
 our converter fsyncs every file before renaming it, cp and llama.cpp's converter do not). Peak
-RSS is the child's VmHWM from /proc, polled every 20 ms. MB/s is checkpoint bytes (10^6) per
+RSS is the child's VmHWM from /proc, polled every 20 ms; CPU seconds (user + system) are the
+child's own, from wait4. MB/s is checkpoint bytes (10^6) per
 second for every run, so the ratios are time ratios. By default the shards are read into the page
 cache before each run (`--cold` drops the caches instead, which needs root), and the JSON says
 which. Results go to bench/results/convert.json (or --json).
@@ -69,19 +71,24 @@ def _vm_hwm_kib(pid: int) -> int | None:
 
 
 def measure(cmd: list[str], nbytes: int, **kw) -> dict:
-    """Run `cmd`, then sync; wall time, MB/s of `nbytes`, and the child's peak RSS."""
+    """Run `cmd`, then sync; wall time, MB/s of `nbytes`, the child's CPU seconds and peak RSS."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
     peak = 0
-    while proc.poll() is None:
+    while True:
         peak = max(peak, _vm_hwm_kib(proc.pid) or 0)
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # rusage: the child's own CPU time
+        if pid:
+            break
         time.sleep(POLL_S)
-    err = proc.stderr.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed with {proc.returncode}: {err[-2000:]}")
+    err = proc.stderr.read().decode(errors="replace")
+    code = proc.returncode = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with {code}: {err[-2000:]}")
     os.sync()
     wall = time.monotonic() - start
-    return {"wall_s": round(wall, 2), "mb_per_s": round(nbytes / 1e6 / wall, 1), "peak_rss_mib": round(peak / 1024, 1)}
+    return {"wall_s": round(wall, 2), "mb_per_s": round(nbytes / 1e6 / wall, 1),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss_mib": round(peak / 1024, 1)}
 
 
 def _shards(model: Path) -> list[Path]:
@@ -128,10 +135,10 @@ def _fresh(out: Path) -> Path:
     return out
 
 
-def run_all(workdir: Path, cold: bool) -> dict:
-    model, half = workdir / "k3-large", workdir / "k3-large-half-experts"
-    synth(model)
-    synth(half, "--experts", "32")
+def run_all(workdir: Path, cold: bool, experts: int) -> dict:
+    model, half = workdir / f"k3-large-e{experts}", workdir / f"k3-large-e{experts // 2}"
+    synth(model, "--experts", str(experts))
+    synth(half, "--experts", str(experts // 2))
     llama_dir = llama_cpp_tree(workdir)
     nbytes = sum(p.stat().st_size for p in _shards(model))
     out = workdir / "out"
@@ -149,12 +156,12 @@ def run_all(workdir: Path, cold: bool) -> dict:
     runs["ours_half_experts"] = measure([*ours, str(half), str(_fresh(out) / "k3-half.gguf")], half_bytes, cwd=REPO)
     shutil.rmtree(out, ignore_errors=True)
     return {
-        "command": "python bench/convert.py" + (" --cold" if cold else ""),
+        "command": f"python bench/convert.py --workdir DIR --experts {experts}" + (" --cold" if cold else ""),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                     "loadavg_at_end": os.getloadavg()},
         "source": "disk (page cache dropped before each run)" if cold else "page cache (shards read once before each run)",
-        "checkpoint": {"synth": SYNTH, "bytes": nbytes, "shards": len(_shards(model)),
+        "checkpoint": {"synth": [*SYNTH, "--experts", str(experts)], "bytes": nbytes, "shards": len(_shards(model)),
                        "half_experts_bytes": half_bytes},
         "runs": runs,
         "ratios": {"ours_vs_copy_throughput": round(runs["copy"]["wall_s"] / runs["ours"]["wall_s"], 3),
@@ -172,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the checkpoints, llama.cpp's sources and the outputs go (needs ~40 GB free); "
                         "checkpoints already there are reused")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run (root) instead of warming it")
+    p.add_argument("--experts", type=int, default=64, help="routed experts of the main checkpoint (64: 9.1 GB)")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "convert.json")
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    result = run_all(args.workdir.resolve(), args.cold)
+    result = run_all(args.workdir.resolve(), args.cold, args.experts)
     text = json.dumps(result, indent=2)
     print(text)
     args.json.parent.mkdir(parents=True, exist_ok=True)
