@@ -70,6 +70,9 @@ class SequenceCache:
         """ne [index_head_dim, n_ctx]: the LayerNorm-ed indexer key per token (DSA layers)."""
         return self._index[layer]
 
+    def has_indexer(self, layer: int) -> bool:
+        return layer in self._index
+
     def free(self) -> None:
         if self._buffer:
             ggml.ggml_backend_buffer_free(self._buffer)

@@ -1,0 +1,302 @@
+"""Graph benchmark: our ggml graph against llama.cpp on the same GGUF, and the DSA paths by context.
+
+    python bench/graph.py --workdir /tmp/kimi-graph-bench
+
+One synthetic K3.1-Pro checkpoint with the real model's widths and layer kinds (`kimi-k3-synth
+--preset large --experts 8`: hidden 7168, dense layer 0, KDA+MoE layers 1-2, MLA+DSA+MoE layer
+3, 8 MXFP4 experts, about 6.1 GB) is converted twice by this project's converter: as is (DSA
+indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a process of its own
+(ggml-python and llama-cpp-python cannot share one, tests/interop/llama_worker.py says why):
+
+  speed    on the --no-dsa GGUF, same thread count: prompt processing (one batch of --prompt
+           tokens from an empty cache) and decode (--gen tokens one at a time after it), tokens/s,
+           for our fast path and for llama.cpp (llama-cpp-python, flash attention on, its default
+           F16 cache), each process's peak RSS (ru_maxrss). Every process first evaluates one
+           token, which pages the mapped weights in; the best of --repeats runs counts.
+  contexts on the DSA GGUF, our fast path: decode time of one token (whole model) at each
+           context length N of --contexts, for dense MLA (dsa off), the masked DSA path and the
+           gathered one, with top_k = N / 8; and the time of the attention kernel alone per
+           decoded token (given the selection: masked = flash attention, or softmax on the exact
+           path, over all N keys with the DSA mask; gather = top-k of the mask, get_rows of those
+           rows, attention over them), for both kernels (fast: F16 cache + flash attention;
+           exact: F32 cache + mul_mat/softmax). The caches are filled with random rows rather
+           than by a prefill of N tokens (which would take hours on 2 cores): the cost of a decode
+           step does not depend on what the rows hold. Timings are the minimum of --repeats runs
+           (the machine may be shared; the JSON records the load average).
+
+Results: bench/results/graph.json and bench/results/graph.png (decode time per token and
+attention-block time per token against the context length); the crossover context (the first
+measured N at which the gathered path decodes faster than the masked one) is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+SYNTH = ["--preset", "large", "--experts", "8"]
+TOP_K_FRACTION = 8  # top_k = context / 8 in the context sweep
+PATHS = ("dense", "masked", "gather")
+TIMINGS = ("decode_s", "attention_fast_s", "attention_exact_s")
+
+
+# ---- checkpoint and GGUFs ---------------------------------------------------------------------
+
+def prepare(workdir: Path) -> tuple[Path, Path]:
+    """The synthetic checkpoint and its two GGUFs (reused when already there)."""
+    ckpt, dsa, no_dsa = workdir / "k31pro-large", workdir / "k31pro.gguf", workdir / "k31pro-no-dsa.gguf"
+    bin_dir = Path(sys.executable).parent
+    if not (ckpt / "config.json").exists():
+        subprocess.run([str(bin_dir / "kimi-k3-synth"), str(ckpt), *SYNTH, "--overwrite"], check=True)
+    for out, flags in ((dsa, []), (no_dsa, ["--no-dsa"])):
+        if not out.exists():
+            subprocess.run([sys.executable, str(REPO / "convert_kimi_k3.py"), str(ckpt), str(out), "--quiet", *flags],
+                           check=True)
+    return dsa, no_dsa
+
+
+# ---- children ---------------------------------------------------------------------------------
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _time(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def _speed(load, eval_tokens, reset, a: argparse.Namespace) -> dict:
+    """Shared by both runtimes: warm-up, then the best of `repeats` prompt and decode runs."""
+    llm = load()
+    prompt = [(7 * i) % 900 + 1 for i in range(a.prompt)]
+    eval_tokens(llm, prompt[:1])  # pages the weights in; thread pools and allocators start
+    pp, tg = [], []
+    for _ in range(a.repeats):
+        reset(llm)
+        pp.append(_time(lambda: eval_tokens(llm, prompt)))
+        tg.append(_time(lambda: [eval_tokens(llm, [prompt[i % a.prompt]]) for i in range(a.gen)]))
+    return {"prompt_tokens": a.prompt, "gen_tokens": a.gen, "pp_tok_s": a.prompt / min(pp),
+            "tg_tok_s": a.gen / min(tg), "pp_s": pp, "tg_s": tg, "peak_rss_mib": _peak_rss_mib()}
+
+
+def child_ours(a: argparse.Namespace) -> dict:
+    from ggml_graph_spec.model import Model
+    return _speed(lambda: Model.load(a.gguf, n_ctx=a.prompt + a.gen + 1, n_threads=a.threads, dsa=False),
+                  lambda m, ids: m.eval(ids), lambda m: m.reset(), a)
+
+
+def child_llama(a: argparse.Namespace) -> dict:
+    import llama_cpp
+    n_ctx = a.prompt + a.gen + 1
+    load = lambda: llama_cpp.Llama(model_path=str(a.gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,  # noqa: E731
+                                   n_threads=a.threads, n_threads_batch=a.threads, flash_attn=True, verbose=False)
+    r = _speed(load, lambda llm, ids: llm.eval(ids), lambda llm: llm.reset(), a)
+    r["llama_cpp"] = llama_cpp.__version__
+    return r
+
+
+def _fill_caches(m, n: int, rng) -> None:
+    """Random rows 0..n-1 in every latent and indexer key cache; the sequence is n tokens long."""
+    import ggml
+    import numpy as np
+    for layer in m.cfg.mla_layers:
+        tensors = [m.cache.mla_latent(layer)] + ([m.cache.indexer_keys(layer)] if m.cache.has_indexer(layer) else [])
+        for t in tensors:
+            dtype = np.float16 if t.contents.type == ggml.GGML_TYPE_F16 else np.float32
+            rows = rng.standard_normal((n, t.contents.ne[0])).astype(dtype)
+            ggml.ggml_backend_tensor_set(t, rows.ctypes.data, 0, rows.nbytes)
+    m.cache.n_past = n
+
+
+def _attention_time(m, n: int, top_k: int | None, path: str, exact: bool, rng) -> float:
+    """One decode step of the attention kernel alone over n cached keys, given the selection:
+    dense (causal mask), masked (flash attention / softmax over all n keys with the DSA mask)
+    or gather (top-k of the mask, get_rows of those rows, attention over them). The cache, the
+    absorbed query and the DSA mask (top_k random visible keys) are random graph inputs."""
+    from functools import partial
+
+    import numpy as np
+
+    from ggml_graph_spec import mla
+    from ggml_graph_spec.graph import F16, F32, GraphBuild
+    cfg = m.cfg
+    d, h = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_heads
+    m.cache.n_past = n - 1
+    make = partial(GraphBuild, cfg=cfg, cache=m.cache, n_tokens=1, exact=exact, top_k=top_k,
+                   dsa_path="masked" if path == "dense" else path)
+    with m._exec.graph(1024, make) as g:
+        kv = g.input("kv", F32 if exact else F16, (d, n), rng.standard_normal((n, d)))
+        q = g.input("q", F32, (d, 1, h), rng.standard_normal((h, 1, d)))
+        mask = g.kq_mask
+        if top_k is not None:
+            sel = np.full((1, n), -np.inf, dtype=np.float32)
+            sel[0, rng.choice(n, top_k, replace=False)] = 0.0
+            mask = g.input("dsa_mask", F32, (n, 1), sel)
+        scale = cfg.qk_head_dim ** -0.5
+        if path == "gather" and top_k is not None:
+            out = mla.attend_gathered(g, q, kv, mask, top_k, scale)
+        else:
+            out = (mla.attend_exact if exact else mla.attend_flash)(g, q, kv, mask, scale)
+        return _time(lambda: m._exec.compute(g, [out]))
+
+
+def child_contexts(a: argparse.Namespace) -> dict:
+    import numpy as np
+
+    from ggml_graph_spec.model import Model
+    rng = np.random.default_rng(0)
+    n_ctx = max(a.contexts) + 1
+    models = {"dense": Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa=False),
+              "masked": Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa_path="masked"),
+              "gather": Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa_path="gather")}
+    out: dict = {"contexts": a.contexts, "top_k": [], "layer": models["masked"].cfg.indexer.layers[0],
+                 **{p: {"decode_s": [], "attention_fast_s": [], "attention_exact_s": []} for p in PATHS}}
+    for m in models.values():
+        m.eval([1])  # warm-up
+    for n in a.contexts:
+        top_k = max(1, n // TOP_K_FRACTION)
+        out["top_k"].append(top_k)
+        for path, m in models.items():
+            if path != "dense":
+                m.top_k = top_k
+            _fill_caches(m, n, rng)
+            runs = {"decode_s": [], "attention_fast_s": [], "attention_exact_s": []}
+            for _ in range(a.repeats):
+                m.cache.n_past = n
+                runs["decode_s"].append(_time(lambda: m.eval([1])))
+                k = None if path == "dense" else top_k
+                runs["attention_fast_s"].append(_attention_time(m, n, k, path, False, rng))
+                runs["attention_exact_s"].append(_attention_time(m, n, k, path, True, rng))
+            for key, v in runs.items():
+                out[path][key].append(min(v))
+            print(f"  N {n:6d} top_k {top_k:5d} {path:6s}: " + ", ".join(
+                f"{key[:-2]} {out[path][key][-1] * 1e3:7.2f} ms" for key in runs), file=sys.stderr, flush=True)
+    return out
+
+
+CHILDREN = {"ours": child_ours, "llama": child_llama, "contexts": child_contexts}
+
+
+def run_child(kind: str, gguf: Path, a: argparse.Namespace) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--gguf", str(gguf),
+           "--threads", str(a.threads), "--prompt", str(a.prompt), "--gen", str(a.gen),
+           "--repeats", str(a.repeats), "--contexts", *map(str, a.contexts)]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+def crossover(ctx: dict, key: str) -> int | None:
+    """The first measured context from which on the gathered path is faster than the masked one."""
+    faster = [g < m for g, m in zip(ctx["gather"][key], ctx["masked"][key])]
+    for i, n in enumerate(ctx["contexts"]):
+        if all(faster[i:]):
+            return n
+    return None
+
+
+def best_of_rounds(kind: str, gguf: Path, a: argparse.Namespace) -> dict:
+    """`rounds` fresh processes, interleaved with the other runtime's by the caller; the fastest
+    prompt and decode figures count (a shared machine only ever makes a run slower)."""
+    runs = []
+    for _ in range(a.rounds):
+        runs.append(run_child(kind, gguf, a))
+        yield runs[-1]
+    best = dict(runs[0])
+    for key in ("pp_tok_s", "tg_tok_s", "peak_rss_mib"):
+        best[key] = max(r[key] for r in runs)
+    best["rounds"] = runs
+    yield best
+
+
+def plot(ctx: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("decode_s", "decode time per token (whole model, fast path)"),
+              ("attention_fast_s", "attention kernel per token, fast path"),
+              ("attention_exact_s", "attention kernel per token, exact path"))
+    for ax, (key, title) in zip(axes, panels):
+        for p in PATHS:
+            label = p if p == "dense" else f"{p} DSA (top_k = N/{TOP_K_FRACTION})"
+            ax.plot(ctx["contexts"], [v * 1e3 for v in ctx[p][key]], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length N (tokens)")
+        ax.set_ylabel("ms")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/kimi-graph-bench"),
+                   help="where the checkpoint and GGUFs go (about 18 GB; reused by later runs)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens (one batch)")
+    p.add_argument("--gen", type=int, default=8, help="decoded tokens")
+    p.add_argument("--repeats", type=int, default=2, help="runs per process (the fastest counts)")
+    p.add_argument("--rounds", type=int, default=3, help="processes per runtime for the speed comparison")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--json", type=Path, default=RESULTS / "graph.json")
+    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    p.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(json.dumps(CHILDREN[a.child](a)))
+        return 0
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    load_at_start = os.getloadavg()  # other processes on the machine make every timing slower
+    dsa, no_dsa = prepare(a.workdir)
+    print(f"speed on {no_dsa.name}, {a.threads} threads", file=sys.stderr)
+    ours_runs, llama_runs = best_of_rounds("ours", no_dsa, a), best_of_rounds("llama", no_dsa, a)
+    for _ in range(a.rounds):  # alternate the two runtimes, so that a busy period hits both
+        next(ours_runs), next(llama_runs)
+    ours, llama = next(ours_runs), next(llama_runs)
+    print(f"contexts on {dsa.name}", file=sys.stderr)
+    ctx = run_child("contexts", dsa, a)
+    result = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
+                    "load_average_at_start": load_at_start},
+        "checkpoint": {"synth": SYNTH, "gguf_bytes": {no_dsa.name: no_dsa.stat().st_size, dsa.name: dsa.stat().st_size}},
+        "speed": {"threads": a.threads, "gguf": no_dsa.name, "ours": ours, "llama_cpp": llama,
+                  "decode_ratio": ours["tg_tok_s"] / llama["tg_tok_s"], "pp_ratio": ours["pp_tok_s"] / llama["pp_tok_s"]},
+        "contexts": ctx, "crossover_context": {key: crossover(ctx, key) for key in TIMINGS},
+    }
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(result, indent=1) + "\n")
+    plot(ctx, a.json.with_suffix(".png"))
+    s = result["speed"]
+    print(f"prompt processing: ours {ours['pp_tok_s']:.2f} tok/s, llama.cpp {llama['pp_tok_s']:.2f} tok/s "
+          f"({s['pp_ratio']:.2f}x)")
+    print(f"decode:            ours {ours['tg_tok_s']:.2f} tok/s, llama.cpp {llama['tg_tok_s']:.2f} tok/s "
+          f"({s['decode_ratio']:.2f}x)")
+    print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, llama.cpp {llama['peak_rss_mib']:.0f} MiB")
+    for n, k, i in zip(ctx["contexts"], ctx["top_k"], range(len(ctx["contexts"]))):
+        ratios = {key: ctx["gather"][key][i] / ctx["masked"][key][i]
+                  for key in ("decode_s", "attention_fast_s", "attention_exact_s")}
+        print(f"N {n:6d} top_k {k:5d}: gather/masked decode {ratios['decode_s']:.2f}, attention fast "
+              f"{ratios['attention_fast_s']:.2f}, exact {ratios['attention_exact_s']:.2f}")
+    for key, n in result["crossover_context"].items():
+        print(f"crossover context ({key}: gather faster than masked from here on): {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
