@@ -37,3 +37,6 @@ indexer = [t for t in reader.tensors if ".indexer." in t.name]
 kinds = sorted({(t.name.split(".", 2)[2], t.tensor_type.name) for t in indexer})
 print(f"indexer tensors: {len(indexer)}: " + ", ".join(f"{n} {t}" for n, t in kinds))
 EOF
+
+echo "== run $GGUF on the ggml graph (greedy, 24 tokens; random weights, so the text is gibberish)"
+python -m ggml_graph_spec -m "$GGUF" -p "The lighthouse keeper woke before dawn" -n 24 --temp 0 -c 256 -t 2
