@@ -141,7 +141,9 @@ def gguf_metadata(cfg: K3Config, model_dir: Path) -> list[KV]:
 
 
 def _releasing(chunks: Iterable, ckpt: Checkpoint) -> Iterator:
-    """Pass chunks through; once one is written, drop the source pages it came from (bounded RSS)."""
+    """Pass chunks through; once the writer has taken one, drop the source pages read so far (bounded
+    RSS). The writer thread may still be copying that chunk: its pages then fault back in from the
+    page cache, the same bytes."""
     for chunk in chunks:
         yield chunk
         ckpt.release_pages()

@@ -14,10 +14,10 @@ from quant_rules.cli_options import listing_resolution
 from quant_rules.rules import QuantOptions, type_name
 
 from .config import load_config
-from .convert import gguf_metadata
+from .convert import gguf_metadata, output_files
 from .keys import ARCH
 from .resume import OutputFile
-from .split import SplitLimits, split_layout
+from .split import SplitLimits
 from .tokenizer import TIKTOKEN_FILE
 from .writer import GGUFLayout, padded
 
@@ -31,7 +31,7 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
     has_tokenizer = (model_dir / TIKTOKEN_FILE).is_file()
     kv = tuple(gguf_metadata(cfg if dsa else cfg.without_indexer(), model_dir)) if has_tokenizer else ()
     layout = GGUFLayout(ARCH, kv, final_outputs(types))
-    files = [OutputFile.planned(path, part) for path, part in split_layout(out, layout, split)]
+    files = output_files(out, layout, split)
     if not has_tokenizer:
         notes.append(f"no {TIKTOKEN_FILE}: file sizes are the tensor data only (the header, mostly the "
                      "tokenizer, is not counted)")
