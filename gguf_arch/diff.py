@@ -273,8 +273,82 @@ def _q8_0_bound(x: np.ndarray) -> np.ndarray:
     return np.broadcast_to(bound, blocks.shape).reshape(x.shape)
 
 
+# The 4- and 5-bit types and MXFP4 below, as ggml's reference quantizers (quantize_row_*_ref, which
+# gguf-py's quants reproduce byte for byte) choose them, per block of 32 values. Each bound is half
+# a quantization step where the code is rounded to nearest, the clipped distance where ggml clips,
+# plus the f16 rounding of the stored scale / min, plus _STEP_SLACK of a step for the quantizer's
+# float32 arithmetic (x * (1/d) rounded can pick the farther of two codes by ~2^-18 of a step).
+# A code off by one step away from the source value is therefore always caught (its error is a step
+# plus the rounding error); one step towards it unless the value sat within ~2^-8 of a step of a
+# rounding midpoint. The f16 terms assume |scale|, |min| <= 65504 (an overflowed f16 is inf: caught).
+_STEP_SLACK = 2.0 ** -12
+
+
+def _blocks_of_32(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64).reshape(-1, 32)
+
+
+def _symmetric_bound(levels: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Q4_0 (levels 8), Q5_0 (16): d = m / -levels with m the block's value of largest magnitude
+    (the first such), code q = trunc(x / d + levels + 0.5) clipped to [0, 2 levels - 1], stored
+    (q - levels) * f16(d). With t = x / d in [-levels, levels] the code q - levels is t rounded to
+    nearest, except that t > levels - 1/2 (only values of the opposite sign to m) is clipped to
+    levels - 1: |err| <= |d| * max(1/2, t - (levels - 1)) + levels * |f16(d) - d|."""
+    def bound(x: np.ndarray) -> np.ndarray:
+        blocks = _blocks_of_32(x)
+        m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
+        step = np.abs(m) / levels
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(m == 0, 0.0, -levels * blocks / m)
+        rounding = step * (np.maximum(0.5, t - (levels - 1)) + _STEP_SLACK)
+        return (rounding + levels * _f16_bound(step)).reshape(x.shape)
+    return bound
+
+
+def _offset_bound(levels: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Q4_1 (levels 15), Q5_1 (31): d = (max - min) / levels, q = round((x - min) / d) in
+    [0, levels] (never clipped), stored q * f16(d) + f16(min):
+    |err| <= d/2 + levels * |f16(d) - d| + |f16(min) - min|. (A block far from zero, |min| >> max - min,
+    is as coarse as f16(min): that is the format's limit, and the bound says so.)"""
+    def bound(x: np.ndarray) -> np.ndarray:
+        blocks = _blocks_of_32(x)
+        low = blocks.min(axis=1, keepdims=True)
+        step = (blocks.max(axis=1, keepdims=True) - low) / levels
+        per_block = step * (0.5 + _STEP_SLACK) + levels * _f16_bound(step) + _f16_bound(low)
+        return np.broadcast_to(per_block, blocks.shape).reshape(x.shape)
+    return bound
+
+
+def _e2m1_rounding(u: np.ndarray) -> np.ndarray:
+    """Largest distance from u >= 0 to the E2M1 magnitude nearest it (0, .5 .. 2 step .5, 3, 4, 6):
+    half the local spacing; above 6, the clipped distance u - 6."""
+    return np.select([u <= 2, u <= 4, u <= 6], [0.25, 0.5, 1.0], u - 6)
+
+
+def _mxfp4_bound(x: np.ndarray) -> np.ndarray:
+    """MXFP4 (ggml quantize_row_mxfp4_ref): the E8M0 shared exponent gives the scale
+    s = 2^(floor(log2 max|x|) - 2), so max|x| / s is in [4, 8); each value is the E2M1 code nearest x / s
+    (magnitudes up to 6, so the block's largest values are clipped by up to 2 s), stored exactly
+    as E2M1 * s: no scale rounding. |err| <= s * _e2m1_rounding(|x| / s).
+
+    ggml takes floor(log2f(max)) in float32, which rounds a max within ~2^-17 below a power of two
+    up to it and so uses the next exponent; such blocks get the larger of both bounds. A block with
+    0 < max|x| < 2^-125 is outside the format (ggml's exponent byte wraps): its values mismatch."""
+    blocks = np.abs(_blocks_of_32(x))
+    amax = blocks.max(axis=1, keepdims=True)
+    _, exp = np.frexp(amax)  # amax = f * 2^exp, f in [0.5, 1): floor(log2 amax) = exp - 1
+    scale = np.ldexp(1.0, exp - 3)
+    bound = scale * (_e2m1_rounding(blocks / scale) + _STEP_SLACK)
+    rounded_up = amax >= np.ldexp(1 - 2.0 ** -14, exp)
+    bound = np.where(rounded_up, np.maximum(bound, 2 * scale * (_e2m1_rounding(blocks / (2 * scale)) + _STEP_SLACK)),
+                     bound)
+    return np.where(amax > 0, bound, 0.0).reshape(x.shape)
+
+
 _BOUNDS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {
     Q.F32: _f32_bound, Q.F16: _f16_bound, Q.BF16: _bf16_bound, Q.Q8_0: _q8_0_bound,
+    Q.Q4_0: _symmetric_bound(8), Q.Q5_0: _symmetric_bound(16),
+    Q.Q4_1: _offset_bound(15), Q.Q5_1: _offset_bound(31), Q.MXFP4: _mxfp4_bound,
 }
 
 # ---- the comparison ------------------------------------------------------------------------
