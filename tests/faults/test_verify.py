@@ -167,8 +167,10 @@ def _verify_peak_rss_kb(tmp_path: Path, experts: int) -> tuple[int, int]:
     write_checkpoint(plan_checkpoint(dims, "k31pro", seed=1), model)
     assert convert_kimi_k3.main([str(model), str(out), "--quiet"]) == 0
     res = run_cli("--verify", out, model, "--quiet",
-                  prelude="import atexit, resource\natexit.register(lambda: print('maxrss_kb', "
-                          "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))")
+                  # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a child of a
+                  # pytest that has grown to 1 GB would report pytest's peak.
+                  prelude="import atexit, re\natexit.register(lambda: print('maxrss_kb', re.search("
+                          "r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]))")
     assert res.rc == 0, res.err
     return out.stat().st_size, int(res.out.split("maxrss_kb")[1])
 
