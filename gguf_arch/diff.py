@@ -278,9 +278,11 @@ def _q8_0_bound(x: np.ndarray) -> np.ndarray:
 # a quantization step where the code is rounded to nearest, the clipped distance where ggml clips,
 # plus the f16 rounding of the stored scale / min, plus _STEP_SLACK of a step for the quantizer's
 # float32 arithmetic (x * (1/d) rounded can pick the farther of two codes by ~2^-18 of a step).
-# A code off by one step away from the source value is therefore always caught (its error is a step
-# plus the rounding error); one step towards it unless the value sat within ~2^-8 of a step of a
-# rounding midpoint. The f16 terms assume |scale|, |min| <= 65504 (an overflowed f16 is inf: caught).
+# Where a step is resolvable (the f16 scale is normal and, for Q4_1/Q5_1, |min| is at most the block's
+# range, as in weight blocks that straddle zero; MXFP4 always), a code one step away from the source
+# value is caught (its error is a step plus the rounding error), and one step towards it unless the
+# value sat within a few hundredths of a step of a rounding midpoint, where either code is as good.
+# The f16 terms assume |scale|, |min| <= 65504 (an overflowed f16 is inf: caught).
 _STEP_SLACK = 2.0 ** -12
 
 
@@ -331,9 +333,10 @@ def _mxfp4_bound(x: np.ndarray) -> np.ndarray:
     (magnitudes up to 6, so the block's largest values are clipped by up to 2 s), stored exactly
     as E2M1 * s: no scale rounding. |err| <= s * _e2m1_rounding(|x| / s).
 
-    ggml takes floor(log2f(max)) in float32, which rounds a max within ~2^-17 below a power of two
-    up to it and so uses the next exponent; such blocks get the larger of both bounds. A block with
-    0 < max|x| < 2^-125 is outside the format (ggml's exponent byte wraps): its values mismatch."""
+    ggml takes floor(log2f(max)) in float32, which rounds a max just below a power of two (within
+    half a float32 ulp of log2: at most ~2^-18 relative) up to it and so uses the next exponent;
+    blocks whose max is within 2^-14 below a power of two get the larger of both bounds. The bound
+    assumes max|x| is 0 or at least 2^-125: below that ggml's exponent byte wraps around."""
     blocks = np.abs(_blocks_of_32(x))
     amax = blocks.max(axis=1, keepdims=True)
     _, exp = np.frexp(amax)  # amax = f * 2^exp, f in [0.5, 1): floor(log2 amax) = exp - 1
