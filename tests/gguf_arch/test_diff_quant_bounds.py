@@ -103,38 +103,23 @@ def test_conversion_is_within_bound_and_verifies(quantized, k3_tiny_dir, capsys)
     assert convert_kimi_k3.main(["--verify", str(out), str(k3_tiny_dir)]) == 0, capsys.readouterr().err
 
 
-def test_one_code_one_step_off_is_a_mismatch_naming_the_tensor(quantized, k3_tiny_dir, tmp_path):
+def test_one_code_one_step_off_is_a_mismatch_naming_the_tensor(quantized, k3_tiny_dir, k3_tiny_gguf, tmp_path):
     qtype, out = quantized
-    name, (row, col) = "blk.0.attn_q.weight", (3, 37)
+    name, (row, col) = "blk.0.attn_q.weight", (3, 37)  # [64, 64]
     raw = np.array(tensor_info(out, name).data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     block, j = (row * 64 + col) // 32, col % 32
-    source = diff_gguf(k3_tiny_dir, out, layers=[0])  # the stored value, and the source it rounds
-    assert {t.name: t.status for t in source.tensors}[name] == WITHIN_BOUND
-    found = dequantize(raw, qtype).reshape(-1, 32)[block, j]
-    expected = _source_value(k3_tiny_dir, name, row, col)
-    for step in (1, -1):  # the step away from the source value
-        moved, valid = stepped(raw, qtype, step)
-        if valid[block, j] and (moved[block, j] - found) * (found - expected) >= 0 and moved[block, j] != found:
-            break
-    else:
-        pytest.fail("no code one step away from the source value")
+    source_info = tensor_info(k3_tiny_gguf, name)  # the unquantized conversion: the checkpoint's bf16 values
+    source = float(dequantize(np.asarray(source_info.data), source_info.tensor_type)[row, col])
+    found = float(dequantize(raw, qtype).reshape(-1, 32)[block, j])
+    # the one-step move away from the source value (there is one: the code is not at both ends)
+    step = next(s for s in (1, -1) if stepped(raw, qtype, s)[1][block, j]
+                and (stepped(raw, qtype, s)[0][block, j] - found) * (found - source) >= 0)
     damaged = codes(raw, qtype)
     damaged[block, j] = from_level(to_level(damaged[block, j], qtype) + step, qtype)
-    damaged_raw = with_codes(raw, qtype, damaged).reshape(64, -1)
-    bad = rewritten_copy(out, tmp_path / "bad.gguf", {name: (damaged_raw, qtype)})
+    bad = rewritten_copy(out, tmp_path / "bad.gguf", {name: (with_codes(raw, qtype, damaged).reshape(64, -1), qtype)})
     got = {t.name: t for t in diff_gguf(k3_tiny_dir, bad, layers=[0]).tensors}[name]
     assert got.status == MISMATCH and f"beyond the {qtype.name} bound" in got.detail
     assert got.mismatches[0].coords == (row, col) and got.line().startswith(name)
-
-
-def _source_value(model_dir: Path, name: str, row: int, col: int) -> float:
-    """The checkpoint's value at (row, col) of a copied tensor, as the diff reads it."""
-    from gguf_arch.config import load_config
-    from gguf_arch.tensors import plan_tensors
-
-    plan = next(p for p in plan_tensors(load_config(model_dir)) if p.name == name)
-    ckpt = diff._Checkpoint(model_dir)
-    return float(diff._as_f32(diff.read_sources(ckpt, plan)[0])[row, col])
 
 
 # ---- the bounds against gguf-py's quantizers ------------------------------------------------------
