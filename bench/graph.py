@@ -45,6 +45,7 @@ RESULTS = REPO / "bench" / "results"
 SYNTH = ["--preset", "large", "--experts", "8"]
 TOP_K_FRACTION = 8  # top_k = context / 8 in the context sweep
 PATHS = ("dense", "masked", "gather")
+ATTENTION_REPEATS = 7
 TIMINGS = ("decode_s", "attention_fast_s", "attention_exact_s")
 
 
@@ -174,7 +175,8 @@ def child_contexts(a: argparse.Namespace) -> dict:
             for _ in range(a.repeats):
                 m.cache.n_past = n
                 runs["decode_s"].append(_time(lambda: m.eval([1])))
-                k = None if path == "dense" else top_k
+            k = None if path == "dense" else top_k
+            for _ in range(ATTENTION_REPEATS):  # short runs: more of them against a busy machine
                 runs["attention_fast_s"].append(_attention_time(m, n, k, path, False, rng))
                 runs["attention_exact_s"].append(_attention_time(m, n, k, path, True, rng))
             for key, v in runs.items():

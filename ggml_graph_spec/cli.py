@@ -25,7 +25,7 @@ from gguf_arch.tensors import plan_tensors
 
 from .loader import GGUFWeights, config_from_metadata, load_gguf
 from .graph import DSA_PATHS
-from .model import DEFAULT_DSA_PATH, Model
+from .model import Model
 from .perplexity import chunk_count, perplexity
 from .sampling import DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams
 from .tokenizer import BPETokenizer
@@ -100,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a GGUF metadata value, e.g. kimi-k3.attention.indexer.top_k=int:64 (repeatable)")
     p.add_argument("--dsa", choices=("on", "off"), default="on",
                    help="run the DSA indexer of a K3.1-Pro GGUF (off: dense MLA attention)")
-    p.add_argument("--dsa-path", choices=DSA_PATHS, default=DEFAULT_DSA_PATH,
+    p.add_argument("--dsa-path", choices=DSA_PATHS, default=None,
                    help="DSA attention: gather = over only the top_k selected cache rows per query, masked = over "
-                        f"the whole cache with the selection as a mask (same logits; default {DEFAULT_DSA_PATH})")
+                        "the whole cache with the selection as a mask (same logits; default: gather with "
+                        "--exact-experts, else masked, the faster one for each)")
     p.add_argument("--exact-experts", action="store_true",
                    help="exact path: F32 activations in every matmul, F32 caches, no flash attention")
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")

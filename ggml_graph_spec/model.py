@@ -27,8 +27,15 @@ from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
 from .mla import build_mla
 
-# Measured by bench/graph.py (the README's crossover): the gathered path is the faster one.
-DEFAULT_DSA_PATH = "gather"
+
+
+def default_dsa_path(exact: bool) -> str:
+    """The faster DSA path per kernel, as bench/graph.py measured it: on the exact path (softmax
+    over every key) gathering is 4-8x faster from 1k tokens on; on the fast path ggml's flash
+    attention already skips the masked keys, the two measure within noise, and the masked one
+    needs no extra top-k or row copies."""
+    return "gather" if exact else "masked"
+
 
 WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe"})
 
@@ -115,7 +122,7 @@ class Model:
     """A loaded GGUF plus one sequence's caches. Not thread-safe; one sequence at a time."""
 
     def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
-                 top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str = DEFAULT_DSA_PATH):
+                 top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str | None = None):
         self.weights = weights
         self.cfg = weights.cfg
         self.exact = exact
@@ -126,6 +133,7 @@ class Model:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EvalError(f"{name} must be an integer >= 1, got {value!r}")
         self.n_batch = n_batch
+        dsa_path = default_dsa_path(exact) if dsa_path is None else dsa_path
         if dsa_path not in DSA_PATHS:
             raise EvalError(f"dsa_path must be one of {', '.join(DSA_PATHS)}, got {dsa_path!r}")
         self.dsa_path = dsa_path
@@ -137,7 +145,7 @@ class Model:
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
              top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None,
-             dsa_path: str = DEFAULT_DSA_PATH) -> "Model":
+             dsa_path: str | None = None) -> "Model":
         """Open and validate a kimi-k3 GGUF.
 
         exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
@@ -147,7 +155,8 @@ class Model:
         the most tokens one graph computes (None: a whole call at once); the exact path's expert
         scratch grows with it (3 x k experts x n_tokens dequantized F32 matrices per MoE layer).
         dsa_path: "gather" attends over only the top_k selected cache rows of each query, "masked"
-        over the whole cache with the selection as a mask (same logits to f32 rounding).
+        over the whole cache with the selection as a mask (same logits to f32 rounding);
+        None: `default_dsa_path(exact_experts)`.
         """
         weights = load_gguf(path)
         if not 1 <= n_ctx <= weights.cfg.context_length:

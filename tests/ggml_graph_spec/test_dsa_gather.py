@@ -71,3 +71,13 @@ def test_gathered_equals_masked_on_the_fast_path(k31pro_f32_gguf, k31pro_tiny_di
 def test_unknown_dsa_path_is_a_one_line_error(k31pro_tiny_gguf):
     with pytest.raises(EvalError, match="dsa_path must be one of masked, gather"):
         Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, dsa_path="sparse")
+
+
+def test_default_dsa_path_is_the_faster_one_per_kernel(k31pro_tiny_gguf):
+    # bench/results/graph.json: gather 4-8x faster on the exact kernel, within noise on the fast one.
+    for exact, want in ((True, "gather"), (False, "masked")):
+        m = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, exact_experts=exact, n_threads=1)
+        try:
+            assert m.dsa_path == want
+        finally:
+            m.close()
