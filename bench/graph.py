@@ -22,11 +22,13 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
            exact: F32 cache + mul_mat/softmax). The caches are filled with random rows rather
            than by a prefill of N tokens (which would take hours on 2 cores): the cost of a decode
            step does not depend on what the rows hold. Timings are the minimum of --repeats runs
+           (decode) or 7 runs (attention kernel)
            (the machine may be shared; the JSON records the load average).
 
-Results: bench/results/graph.json and bench/results/graph.png (decode time per token and
-attention-block time per token against the context length); the crossover context (the first
-measured N at which the gathered path decodes faster than the masked one) is printed.
+Results: bench/results/graph.json and bench/results/graph.png (decode time per token and the
+attention kernel's time per token, fast and exact, against the context length); the crossover
+contexts (the first measured N from which on the gathered path is faster than the masked one, for
+each of the three timings) are printed.
 """
 from __future__ import annotations
 
