@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gguf_arch.convert import OutputOptions, convert
 from gguf_arch.dry_run import plan_lines, planned_files
-from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, KimiError
+from gguf_arch.errors import run_cli
 from gguf_arch.integrity import verify
 from gguf_arch.split import SplitLimits, parse_size
 from quant_rules.cli_options import (add_quant_arguments, format_tensor_types, listing_resolution, quant_options,
@@ -89,18 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.split_max_tensors < 0:
         parser.error("--split-max-tensors must be a positive number of tensors")
     log = (lambda _msg: None) if args.quiet else print
-    try:
-        _run(args, log)
-    except KimiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted; no output written", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    return 0
+    return run_cli(lambda: _run(args, log), interrupted="interrupted; no output written")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 
 from gguf_arch import keys as K
 from gguf_arch.config import K3Config
-from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, KimiError
+from gguf_arch.errors import KimiError, run_cli
 from gguf_arch.tensors import plan_tensors
 
 from .loader import GGUFWeights, config_from_metadata, load_gguf
@@ -374,15 +374,5 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        run(build_parser().parse_args(argv))
-    except KimiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("\nerror: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except (OSError, MemoryError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    return EXIT_OK
+    # Parsing runs inside run_cli: the --override-kv converter raises UsageError for a bad value.
+    return run_cli(lambda: run(build_parser().parse_args(argv)), runtime_errors=(OSError, MemoryError, RuntimeError))

@@ -9,6 +9,8 @@ Exit codes (documented in README.md):
 from __future__ import annotations
 
 import re
+import sys
+from typing import Callable
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -51,3 +53,21 @@ class OutputError(KimiError):
     """The output cannot be written (exists, unwritable, disk full)."""
 
     exit_code = EXIT_RUNTIME
+
+
+def run_cli(action: Callable[[], int | None], *, interrupted: str = "interrupted",
+            runtime_errors: tuple[type[BaseException], ...] = (OSError,)) -> int:
+    """Run a command-line tool's body and turn every expected failure into one stderr line and
+    its exit code: the contract every CLI of this project documents (never a traceback)."""
+    try:
+        code = action()
+    except KimiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"error: {interrupted}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except runtime_errors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    return EXIT_OK if code is None else code
