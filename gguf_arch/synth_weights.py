@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -29,7 +29,8 @@ class Init:
     """How one source tensor is stored and drawn.
 
     kind: proj (N(0, scale^2 / fan_in)), embed (N(0, scale^2)), gain (1 + scale N), bias (scale N),
-    conv, a_log, mxfp4_packed, mxfp4_scale.
+    conv, a_log, mxfp4_packed, mxfp4_scale. dtype: the table's `Source.stored` for text tensors
+    (`init_for` sets it), bf16 for the vision tensors the table does not hold.
     """
 
     kind: str
@@ -37,21 +38,19 @@ class Init:
     dtype: str = "BF16"
 
 
-# Table rows whose sources are not a default projection (2-D, gain 1) or norm gain (1-D,
-# 1 + 0.1 N) stored in bf16. Keyed by the table's GGUF name templates; the f32 entries are the
-# tensors the real checkpoint stores in f32.
+# Table rows whose sources are not drawn as a default projection (2-D, gain 1) or norm gain
+# (1-D, 1 + 0.1 N). Keyed by the table's GGUF name templates.
 ROW_INIT: dict[str, Init] = {
     "token_embd.weight": Init("embed"),
     "output.weight": Init("proj", 3.0),
     "blk.{l}.attn_output.weight": Init("proj", 0.6),
     "blk.{l}.ssm_f_b.weight": Init("proj", 0.8),
-    "blk.{l}.ssm_dt.bias": Init("bias", 0.45, "F32"),
-    "blk.{l}.ssm_norm.weight": Init("gain", 0.1, "F32"),
+    "blk.{l}.ssm_dt.bias": Init("bias", 0.45),
     "blk.{l}.indexer.k_norm.weight": Init("gain", 0.2),
     "blk.{l}.ffn_gate.weight": Init("proj", 1.5),
     "blk.{l}.ffn_up.weight": Init("proj", 1.5),
     "blk.{l}.ffn_gate_inp.weight": Init("proj", 2.0),
-    "blk.{l}.exp_probs_b.bias": Init("bias", 0.15, "F32"),
+    "blk.{l}.exp_probs_b.bias": Init("bias", 0.15),
     "blk.{l}.ffn_routed_down.weight": Init("proj", 1.5),
     "blk.{l}.ffn_routed_up.weight": Init("proj", 0.7),
     "blk.{l}.ffn_gate_shexp.weight": Init("proj", 1.5),
@@ -59,8 +58,8 @@ ROW_INIT: dict[str, Init] = {
 }
 # By transform: how the table's multi-source and special rows are drawn.
 _TRANSFORM_INIT = {
-    "reshape": Init("conv", dtype="F32"),  # the q/k/v short convolutions
-    "neg_exp_heads": Init("a_log", dtype="F32"),
+    "reshape": Init("conv"),  # the q/k/v short convolutions
+    "neg_exp_heads": Init("a_log"),
 }
 _RES_PROJ = Init("proj", 0.5)  # AttnRes pseudo-query [1, hidden]
 _NORM = Init("gain", 0.1)
@@ -70,9 +69,14 @@ _A_LOG_MAGNITUDE = (0.02, 0.8)
 
 
 def init_for(spec: TensorSpec, source_index: int, shape: tuple[int, ...]) -> Init:
-    """The init of source `source_index` of a table row, given its concrete shape."""
+    """The init of source `source_index` of a table row, given its concrete shape, stored in the
+    dtype the table gives that source."""
+    return replace(_drawn(spec, source_index, shape), dtype=spec.sources[source_index].stored)
+
+
+def _drawn(spec: TensorSpec, source_index: int, shape: tuple[int, ...]) -> Init:
     if spec.transform == "mxfp4_experts":
-        return Init("mxfp4_packed" if source_index % 2 == 0 else "mxfp4_scale", dtype="U8")
+        return Init("mxfp4_packed" if source_index % 2 == 0 else "mxfp4_scale")
     if spec.transform in _TRANSFORM_INIT:
         return _TRANSFORM_INIT[spec.transform]
     if spec.transform == "res_score":
@@ -81,7 +85,7 @@ def init_for(spec: TensorSpec, source_index: int, shape: tuple[int, ...]) -> Ini
 
 
 def default_init(shape: tuple[int, ...]) -> Init:
-    """A bf16 norm gain for a vector, a bf16 projection otherwise."""
+    """A norm gain for a vector, a projection otherwise (bf16 unless `init_for` says otherwise)."""
     return _NORM if len(shape) == 1 else _PROJ
 
 

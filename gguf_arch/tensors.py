@@ -34,7 +34,10 @@ Shape = Callable[[K3Config], tuple]
 class Source:
     name: str  # after TEXT_PREFIX; may contain {l} and {e}
     shape: Shape
-    dtypes: frozenset
+    dtypes: frozenset  # what the converter accepts
+    # What the released K3 checkpoint stores (k3-spec.md B.6: five f32 families, u8 experts, the
+    # rest bf16); the synthetic checkpoints write it and listings without shards assume it.
+    stored: str = "BF16"
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,15 @@ class TensorSpec:
     optional: bool = False  # absent in the checkpoint -> not written
 
 
-def _src(name: str, shape: Shape, dtypes: frozenset = FLOAT) -> Source:
-    return Source(name, shape, dtypes)
+def _src(name: str, shape: Shape, dtypes: frozenset = FLOAT, stored: str = "BF16") -> Source:
+    return Source(name, shape, dtypes, stored)
 
 
 def _row(group: str, gguf: str, hf: str, hf_shape: Shape, out: str = OUT_SOURCE,
-         shape: Shape | None = None, transform: str = "copy", dtypes: frozenset = FLOAT,
-         optional: bool = False) -> TensorSpec:
+         shape: Shape | None = None, transform: str = "copy", optional: bool = False,
+         stored: str = "BF16") -> TensorSpec:
     """One source -> one output; the output shape defaults to the source shape."""
-    return TensorSpec(group, gguf, (_src(hf, hf_shape, dtypes),), shape or hf_shape, out, transform, optional)
+    return TensorSpec(group, gguf, (_src(hf, hf_shape, stored=stored),), shape or hf_shape, out, transform, optional)
 
 
 def _res_score(group: str, gguf: str, norm: str, proj: str) -> TensorSpec:
@@ -71,8 +74,8 @@ def _experts(gguf: str, w: str, rows: Callable[[K3Config], int], cols: Callable[
     base = f"model.layers.{{l}}.block_sparse_moe.experts.{{e}}.{w}"
     return TensorSpec(
         "moe", gguf,
-        (_src(f"{base}.weight_packed", lambda c: (rows(c), cols(c) // 2), U8),
-         _src(f"{base}.weight_scale", lambda c: (rows(c), cols(c) // c.mxfp4_group_size), U8)),
+        (_src(f"{base}.weight_packed", lambda c: (rows(c), cols(c) // 2), U8, "U8"),
+         _src(f"{base}.weight_scale", lambda c: (rows(c), cols(c) // c.mxfp4_group_size), U8, "U8")),
         lambda c: (c.num_experts, rows(c), cols(c)), OUT_MXFP4, "mxfp4_experts")
 
 
@@ -104,16 +107,16 @@ TABLE: tuple[TensorSpec, ...] = (
     _row("kda", "blk.{l}.attn_v.weight", _A + "v_proj.weight", lambda c: (_P(c), _H(c))),
     *(_row("kda", f"blk.{{l}}.ssm_conv1d_{x}.weight", _A + f"{x}_conv1d.weight",
            lambda c: (_P(c), 1, c.kda.conv_kernel), OUT_F32,
-           shape=lambda c: (1, _P(c), 1, c.kda.conv_kernel), transform="reshape") for x in "qkv"),
+           shape=lambda c: (1, _P(c), 1, c.kda.conv_kernel), transform="reshape", stored="F32") for x in "qkv"),
     _row("kda", "blk.{l}.ssm_f_a.weight", _A + "f_a_proj.weight", lambda c: (_HD(c), _H(c))),
     _row("kda", "blk.{l}.ssm_f_b.weight", _A + "f_b_proj.weight", lambda c: (_P(c), _HD(c))),
     _row("kda", "blk.{l}.ssm_beta.weight", _A + "b_proj.weight", lambda c: (c.kda.num_heads, _H(c))),
     # A_log is stored [head_dim]: the per-head log-scales first, then zero padding.
     _row("kda", "blk.{l}.ssm_a", _A + "A_log", lambda c: (_HD(c),), OUT_F32,
-         shape=lambda c: (c.kda.num_heads,), transform="neg_exp_heads"),
-    _row("kda", "blk.{l}.ssm_dt.bias", _A + "dt_bias", lambda c: (_P(c),), OUT_F32),
+         shape=lambda c: (c.kda.num_heads,), transform="neg_exp_heads", stored="F32"),
+    _row("kda", "blk.{l}.ssm_dt.bias", _A + "dt_bias", lambda c: (_P(c),), OUT_F32, stored="F32"),
     _row("kda", "blk.{l}.ssm_g.weight", _A + "g_proj.weight", lambda c: (_P(c), _H(c))),
-    _row("kda", "blk.{l}.ssm_norm.weight", _A + "o_norm.weight", lambda c: (_HD(c),), OUT_F32),
+    _row("kda", "blk.{l}.ssm_norm.weight", _A + "o_norm.weight", lambda c: (_HD(c),), OUT_F32, stored="F32"),
     _row("kda", "blk.{l}.attn_output.weight", _A + "o_proj.weight", lambda c: (_H(c), _P(c))),
     # ---- gated NoPE MLA ----------------------------------------------------------------------
     _row("mla", "blk.{l}.attn_q_a.weight", _A + "q_a_proj.weight", lambda c: (c.q_lora_rank, _H(c))),
@@ -147,7 +150,8 @@ TABLE: tuple[TensorSpec, ...] = (
     _row("dense", "blk.{l}.ffn_down.weight", _L + "mlp.down_proj.weight", lambda c: (_H(c), c.intermediate_size)),
     # ---- LatentMoE ---------------------------------------------------------------------------
     _row("moe", "blk.{l}.ffn_gate_inp.weight", _M + "gate.weight", lambda c: (c.num_experts, _H(c)), OUT_F32),
-    _row("moe", "blk.{l}.exp_probs_b.bias", _M + "gate.e_score_correction_bias", lambda c: (c.num_experts,), OUT_F32),
+    _row("moe", "blk.{l}.exp_probs_b.bias", _M + "gate.e_score_correction_bias", lambda c: (c.num_experts,), OUT_F32,
+         stored="F32"),
     _row("moe", "blk.{l}.ffn_routed_down.weight", _M + "routed_expert_down_proj.weight", lambda c: (c.latent_size, _H(c))),
     _row("moe", "blk.{l}.ffn_routed_up.weight", _M + "routed_expert_up_proj.weight", lambda c: (_H(c), c.latent_size)),
     _row("moe", "blk.{l}.ffn_routed_norm.weight", _M + "routed_expert_norm.weight", lambda c: (c.latent_size,), OUT_F32),

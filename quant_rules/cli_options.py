@@ -185,11 +185,13 @@ def _declared_dtype(model_dir: Path) -> str:
 
 
 def _declared_metas(names: Iterable[str], cfg: K3Config, dtype: str) -> dict[str, TensorMeta]:
-    """Index names with the shapes the config implies and the config's declared dtype (U8 for MXFP4)."""
+    """Index names with the shapes the config implies and the config's declared dtype, except for the
+    sources the checkpoint stores in another dtype than bf16 (the f32 families, the u8 experts):
+    config.json's dtype does not cover those."""
     shared: dict[tuple, TensorMeta] = {}  # 497k sources, a few hundred distinct metas
     expected: dict[str, TensorMeta] = {}
     for pt in plan_tensors(cfg):
-        dtypes = [dtype if dtype in s.dtypes else min(s.dtypes) for s in pt.spec.sources]
+        dtypes = [dtype if s.stored == "BF16" else s.stored for s in pt.spec.sources]
         for i, (name, shape) in enumerate(pt.sources):
             key = (dtypes[i % len(dtypes)], shape)
             expected[name] = shared.get(key) or shared.setdefault(key, TensorMeta(*key))
@@ -209,7 +211,7 @@ def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True)
     else:
         dtype = _declared_dtype(model_dir)
         metas = _declared_metas(wmap, cfg, dtype)
-        source = (f"source types as config.json declares them ({dtype.lower()}; routed experts mxfp4): "
-                  "no shard present")
+        source = (f"source types as config.json declares them ({dtype.lower()}, except the tensors K3 stores "
+                  "in f32 and the mxfp4 routed experts): no shard present")
     plan = plan_conversion(cfg, metas, dsa=dsa)
     return resolve_plan(plan.outputs, metas, options), source
