@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 import re
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -68,6 +70,10 @@ def manifest_path(gguf: Path | str) -> Path:
     return gguf.with_name(gguf.name + ".sha256.json")
 
 
+# Chunks handed to the hashing thread and not yet hashed (bounded, like the writer's queue).
+HASH_AHEAD = 2
+
+
 class TensorHasher:
     """Wraps the writer's `chunks_for` so each tensor's bytes are hashed as they stream past."""
 
@@ -76,11 +82,18 @@ class TensorHasher:
 
     def wrap(self, chunks_for: Callable) -> Callable:
         def hashed(t) -> Iterator:
-            h, n = hashlib.sha256(), 0
-            for chunk in chunks_for(t):
-                h.update(chunk)
-                n += memoryview(chunk).nbytes
-                yield chunk
+            # SHA-256 runs on a thread of its own (hashlib releases the GIL on large buffers), in
+            # chunk order, so hashing overlaps the repack of the next chunk instead of adding to it.
+            h, n, pending = hashlib.sha256(), 0, deque()
+            with ThreadPoolExecutor(1) as hasher:
+                for chunk in chunks_for(t):
+                    pending.append(hasher.submit(h.update, chunk))
+                    while len(pending) > HASH_AHEAD:
+                        pending.popleft().result()
+                    n += memoryview(chunk).nbytes
+                    yield chunk
+                while pending:
+                    pending.popleft().result()
             self.digests.append(TensorDigest(t.name, t.ggml_type.name, n, h.hexdigest()))
         return hashed
 
