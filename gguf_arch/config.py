@@ -9,13 +9,13 @@ Layer lists in the file are 1-based; everything this module returns is 0-based.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .jsonfile import read_json
 
 TOP_LEVEL_ARCH = "KimiK3ForConditionalGeneration"
 
@@ -392,16 +392,5 @@ def parse_config(raw: dict, source: str = "config.json") -> K3Config:
 def load_config(model_dir: Path | str) -> K3Config:
     """Read and validate `model_dir/config.json`."""
     path = Path(model_dir) / "config.json"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found (expected a Kimi K3 checkpoint directory)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot be read: {exc}") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: JSON nested too deeply") from None
+    raw = read_json(path, ConfigError, "not found (expected a Kimi K3 checkpoint directory)")
     return parse_config(raw, str(path))

@@ -35,6 +35,7 @@ from gguf.constants import Keys
 
 from .diff import MISSING, iter_tensor_diffs
 from .errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError
+from .jsonfile import read_json
 from .safetensors_index import open_checkpoint
 from .split import part_path
 
@@ -165,13 +166,8 @@ def _digest_entry(path: Path, i: int, row: object) -> TensorDigest:
 def read_manifest(gguf: Path | str) -> Manifest:
     """The manifest next to `gguf`, strictly validated (it is input like any other file)."""
     path = manifest_path(gguf)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: no integrity manifest next to the GGUF (not written by this "
-                             "converter, or the conversion was interrupted before it was written)") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise IntegrityError(f"{path}: unreadable integrity manifest: {exc}") from None
+    doc = read_json(path, IntegrityError, "no integrity manifest next to the GGUF (not written by this converter, "
+                    "or the conversion was interrupted before it was written)", invalid="unreadable integrity manifest")
     if (not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or not _is_count(doc.get("gguf_size"))
             or not _is_digest(doc.get("header_sha256")) or not isinstance(doc.get("tensors"), list)):
         raise IntegrityError(f"{path}: not a {MANIFEST_FORMAT} manifest (expected format, gguf_size, "

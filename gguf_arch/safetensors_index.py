@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
+from .jsonfile import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own limit on the JSON header; a larger length field means a corrupt file.
@@ -78,12 +79,7 @@ def _check_shard_name(name: object) -> str:
 def read_weight_map(model_dir: Path) -> dict[str, str]:
     """tensor name -> shard file name, validated."""
     path = model_dir / INDEX_FILE
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found (expected a sharded safetensors checkpoint)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: cannot be read as JSON: {exc}") from None
+    raw = read_json(path, CheckpointError, "not found (expected a sharded safetensors checkpoint)")
     wmap = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError(f"{path}: expected an object with a non-empty 'weight_map'")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from gguf import Keys, TokenType
 
 from .config import K3Config
 from .errors import TokenizerError
+from .jsonfile import read_json
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -163,14 +163,8 @@ def read_special_tokens(path: Path, n_ranks: int, vocab_size: int) -> SpecialTok
 
 
 def _load_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: not found (the K3 tokenizer needs {TOKENIZER_CONFIG_FILE})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path}: cannot be read: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise TokenizerError(f"{path}: not valid JSON: {exc}") from None
+    raw = read_json(path, TokenizerError, f"not found (the K3 tokenizer needs {TOKENIZER_CONFIG_FILE})",
+                    invalid="not valid JSON")
     if not isinstance(raw, dict):
         raise TokenizerError(f"{path}: expected a JSON object at the top level")
     return raw

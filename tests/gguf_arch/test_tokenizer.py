@@ -206,6 +206,8 @@ BAD_INPUTS = {
                                       "tokenizer_config.json: not found"),
     "malformed tokenizer_config.json": (lambda m: (m / "tokenizer_config.json").write_text("{\"bos_token\": "),
                                         "tokenizer_config.json: not valid JSON"),
+    "deeply nested tokenizer_config.json": (lambda m: (m / "tokenizer_config.json").write_text("[" * 100_000),
+                                            "tokenizer_config.json: JSON nested too deeply"),
     "no added_tokens_decoder": (lambda m: _edit_config(m, lambda c: c.pop("added_tokens_decoder")),
                                 "added_tokens_decoder must be a non-empty object"),
     "special id outside vocab": (
