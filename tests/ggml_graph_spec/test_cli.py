@@ -151,9 +151,9 @@ def test_dsa_override_on_a_plain_k3_gguf_is_bad_input(capsys, k3_tiny_gguf):
 
 
 def test_split_gguf_runs_from_its_first_file(capsys, tmp_path, k3_tiny_gguf, k3_ref):
-    from tests.ggml_graph_spec.test_loader import _rewrite  # llama.cpp-style split via gguf-py's writer
+    from tests.gguf_arch.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
 
-    _rewrite(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
+    rewritten_copy(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
     first = tmp_path / "split-00001-of-00003.gguf"
     text, _ = _greedy(capsys, first)
     assert text == _decode(k3_tiny_gguf, k3_ref["greedy_ids"])

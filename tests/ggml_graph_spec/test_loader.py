@@ -4,7 +4,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import ggml
 import numpy as np
@@ -17,35 +16,7 @@ from gguf_arch.config import load_config
 from gguf_arch.errors import GGUFError
 from gguf_arch.tensors import plan_tensors
 from ggml_graph_spec.loader import load_gguf
-
-
-def _rewrite(src: Path, dst: Path, *, keys: dict[str, Any] | None = None,
-             tensors: dict[str, tuple[np.ndarray, Q] | None] | None = None,
-             extra: dict[str, np.ndarray] | None = None, split_max_tensors: int = 0) -> Path:
-    """Copy src with metadata changes (value None: drop the key; (value, type) to set one) and
-    tensor changes (None: drop it; (data, type): replace it), keeping everything else."""
-    keys, tensors, extra = keys or {}, tensors or {}, extra or {}
-    reader = GGUFReader(src)
-    w = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()), split_max_tensors=split_max_tensors)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in keys:
-            continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), f.types[0], sub)
-    for name, change in keys.items():
-        if change is not None:
-            w.add_key_value(name, change[0], change[1], change[2] if len(change) > 2 else None)
-    for t in reader.tensors:
-        change = tensors.get(t.name, (t.data, t.tensor_type))
-        if change is not None:
-            w.add_tensor(t.name, np.ascontiguousarray(change[0]), raw_dtype=change[1])
-    for name, data in extra.items():
-        w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+from tests.gguf_arch.gguf_edit import rewritten_copy
 
 
 @pytest.mark.parametrize("which", ["k3", "k31pro"])
@@ -85,7 +56,7 @@ def test_tensors_point_into_the_mapped_file_without_copies(k31pro_tiny_gguf):
 
 def test_split_gguf_loads_all_parts(tmp_path, k3_tiny_gguf):
     """llama.cpp-style split files (gguf-py's writer): tensors found in every part, same bytes."""
-    _rewrite(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
+    rewritten_copy(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(parts) == 3
     whole, split = load_gguf(k3_tiny_gguf), load_gguf(parts[0])
@@ -139,46 +110,46 @@ def test_wrong_architecture(tmp_path, k3_tiny_gguf):
 
 def test_missing_key(tmp_path, k3_tiny_gguf):
     key = f"{K.ARCH}.activation.situ_linear_beta"
-    _one_line_error(_rewrite(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: None}), "missing metadata key", key)
+    _one_line_error(rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: None}), "missing metadata key", key)
 
 
 def test_inconsistent_key(tmp_path, k3_tiny_gguf):
     key = f"{K.ARCH}.attention.key_length"
-    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: (999, GGUFValueType.UINT32)})
+    out = rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: (999, GGUFValueType.UINT32)})
     _one_line_error(out, key, "999")
 
 
 def test_bad_layer_kinds(tmp_path, k3_tiny_gguf):
     key = f"{K.ARCH}.attention.head_count_kv"
-    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: ([2] * 13, GGUFValueType.ARRAY, GGUFValueType.UINT32)})
+    out = rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", keys={key: ([2] * 13, GGUFValueType.ARRAY, GGUFValueType.UINT32)})
     _one_line_error(out, key, "0 (KDA) or 1 (MLA)")
 
 
 def test_partial_indexer_keys(tmp_path, k31pro_tiny_gguf):
-    out = _rewrite(k31pro_tiny_gguf, tmp_path / "x.gguf", keys={K.INDEXER_TOP_K: None})
+    out = rewritten_copy(k31pro_tiny_gguf, tmp_path / "x.gguf", keys={K.INDEXER_TOP_K: None})
     _one_line_error(out, K.INDEXER_TOP_K, "together")
 
 
 def test_missing_tensor(tmp_path, k3_tiny_gguf):
     name = "blk.5.ssm_beta.weight"
-    _one_line_error(_rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: None}), "missing tensor", name)
+    _one_line_error(rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", replace={name: None}), "missing tensor", name)
 
 
 def test_unexpected_tensor(tmp_path, k3_tiny_gguf):
-    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", extra={"blk.3.indexer.attn_k.weight": np.zeros((16, 64), np.float32)})
+    out = rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", extra={"blk.3.indexer.attn_k.weight": np.zeros((16, 64), np.float32)})
     _one_line_error(out, "not in the kimi-k3 table", "blk.3.indexer.attn_k.weight")
 
 
 def test_wrong_shape(tmp_path, k3_tiny_gguf):
     name = "blk.2.ssm_a"
-    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: (np.zeros(16, np.float32), Q.F32)})
+    out = rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", replace={name: (np.zeros(16, np.float32), Q.F32)})
     _one_line_error(out, name, "ne [16]", "expected [4]")
 
 
 def test_wrong_type(tmp_path, k3_tiny_gguf):
     name = "blk.1.ffn_gate_inp.weight"
     data = next(t for t in GGUFReader(k3_tiny_gguf).tensors if t.name == name).data
-    out = _rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: (data.astype(np.float16), Q.F16)})
+    out = rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", replace={name: (data.astype(np.float16), Q.F16)})
     _one_line_error(out, name, "type F16", "expected F32")
 
 
@@ -190,7 +161,7 @@ def test_quantized_trunk_types_are_accepted(tmp_path, k3_tiny_gguf):
     data = next(t for t in GGUFReader(k3_tiny_gguf).tensors if t.name == name)
     f32 = data.data.view(np.uint16).astype(np.uint32) << 16  # BF16 -> F32 bits
     q8 = quantize(f32.view(np.float32).reshape(data.data.shape[0], -1), Q.Q8_0)
-    weights = load_gguf(_rewrite(k3_tiny_gguf, tmp_path / "x.gguf", tensors={name: (q8, Q.Q8_0)}))
+    weights = load_gguf(rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", replace={name: (q8, Q.Q8_0)}))
     try:
         assert weights.tensors[name].contents.type == Q.Q8_0
     finally:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ggml_graph_spec.model import Model
-from tests.ggml_graph_spec.test_loader import _rewrite  # llama.cpp-style split via gguf-py's writer
+from tests.gguf_arch.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
 
 from .conftest import GGML_TYPE_F32, LoadFailure, llama_run, requires_llama_cpp
 
@@ -105,7 +105,7 @@ def test_k31pro_gguf_with_the_indexer_is_refused(tmp_path, k31pro_tiny_gguf):
 
 
 def test_split_gguf_loads_in_llama_cpp(tmp_path, k3_tiny_gguf, k3_ref, llama_mxfp4):
-    _rewrite(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
+    rewritten_copy(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
     [logits] = llama_run(tmp_path / "split-00001-of-00003.gguf", [("logits", _ids(k3_ref, "short"))], tmp_path)
     assert np.array_equal(logits, llama_mxfp4["short"])
 
