@@ -19,7 +19,7 @@ from gguf_arch.integrity import MANIFEST_FORMAT, manifest_path, read_manifest
 from gguf_arch.synth import plan_checkpoint, write_checkpoint
 from gguf_arch.synth_config import PRESETS
 
-from .cli import FIXTURES, run_cli
+from .cli import FIXTURES, peak_rss_kib, run_cli
 
 PRO = FIXTURES / "k31pro-tiny"
 
@@ -166,13 +166,7 @@ def _verify_peak_rss_kb(tmp_path: Path, experts: int) -> tuple[int, int]:
     model, out = tmp_path / f"model{experts}", tmp_path / f"big{experts}.gguf"
     write_checkpoint(plan_checkpoint(dims, "k31pro", seed=1), model)
     assert convert_kimi_k3.main([str(model), str(out), "--quiet"]) == 0
-    res = run_cli("--verify", out, model, "--quiet",
-                  # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a child of a
-                  # pytest that has grown to 1 GB would report pytest's peak.
-                  prelude="import atexit, re\natexit.register(lambda: print('maxrss_kb', re.search("
-                          "r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]))")
-    assert res.rc == 0, res.err
-    return out.stat().st_size, int(res.out.split("maxrss_kb")[1])
+    return out.stat().st_size, peak_rss_kib("--verify", out, model, "--quiet")
 
 
 def test_verify_memory_does_not_grow_with_the_model(tmp_path):

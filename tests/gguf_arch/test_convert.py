@@ -24,6 +24,8 @@ from gguf_arch.synth import plan_checkpoint, write_checkpoint
 from gguf_arch.synth_config import PRESETS
 from gguf_arch.tensors import OUT_SOURCE, plan_tensors
 
+from tests.faults.cli import peak_rss_kib
+
 from .checkpoint_edit import EditableCheckpoint, as_f32, source_array
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,26 +214,12 @@ def test_interrupt_and_disk_full_leave_nothing(k3_tiny_dir, tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
-def _peak_rss_kb(model_dir: Path, out: Path) -> int:
-    """Run the documented command line in a fresh interpreter; its peak RSS in KiB.
-
-    VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so it would report pytest's RSS.
-    """
-    code = ("import re, sys, convert_kimi_k3; rc = convert_kimi_k3.main(sys.argv[1:]); "
-            "print('maxrss_kb', re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]); "
-            "sys.exit(rc)")
-    res = subprocess.run([sys.executable, "-c", code, str(model_dir), str(out), "--quiet"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    return int(res.stdout.split("maxrss_kb")[1])
-
-
 linux_only = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 
 
 @linux_only
 def test_cli_as_a_script_and_peak_rss(k31pro_tiny_dir, tmp_path):
-    rss_kb = _peak_rss_kb(k31pro_tiny_dir, tmp_path / "cli.gguf")
+    rss_kb = peak_rss_kib(k31pro_tiny_dir, tmp_path / "cli.gguf", "--quiet")
     assert rss_kb < 120 * 1024, rss_kb  # measured: 41 MiB (36 MiB of it is the imports)
     assert (tmp_path / "cli.gguf").stat().st_size > 1_700_000
 
@@ -254,7 +242,7 @@ def synthetic_210mb(tmp_path_factory) -> Path:
 def test_peak_rss_does_not_grow_with_model_size(synthetic_210mb, tmp_path):
     """The 210 MB checkpoint converts in about the RSS of the 2 MB fixture: tensor bytes are streamed
     from the mmap and its pages are unmapped after each chunk (measured 45 MiB for 425 MB)."""
-    rss_kb = _peak_rss_kb(synthetic_210mb, tmp_path / "big.gguf")
+    rss_kb = peak_rss_kib(synthetic_210mb, tmp_path / "big.gguf", "--quiet")
     assert rss_kb < 120 * 1024, rss_kb
     assert (tmp_path / "big.gguf").stat().st_size > 200 * 2 ** 20
 

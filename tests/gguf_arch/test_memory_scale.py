@@ -7,33 +7,19 @@ whole, the larger one would peak at least 70 MB higher. bench/convert.py measure
 """
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gguf_arch.synth import plan_checkpoint, write_checkpoint
 from gguf_arch.synth_config import PRESETS
+from tests.faults.cli import peak_rss_kib
 
-REPO = Path(__file__).resolve().parents[2]
 # The large preset's hidden size and expert shapes; attention, dense MLP and vocabulary shrunk so
 # the experts are most of the bytes and the test stays a few seconds on two cores.
 DIMS = dict(PRESETS["large"], layers=2, vocab=1024, intermediate=256, **{
     "dense-layers": 1, "experts-per-token": 2, "shared-experts": 0, "kda-heads": 2, "mla-heads": 2,
     "q-lora": 64, "kv-lora": 64})
-
-
-def _peak_rss_kib(model: Path, out: Path) -> int:
-    """VmHWM of a fresh interpreter running the CLI (ru_maxrss would include pytest's own RSS)."""
-    code = ("import re, sys, convert_kimi_k3; rc = convert_kimi_k3.main(sys.argv[1:]); "
-            "print('vmhwm_kib', re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]); "
-            "sys.exit(rc)")
-    res = subprocess.run([sys.executable, "-c", code, str(model), str(out), "--quiet"], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    return int(re.search(r"vmhwm_kib (\d+)", res.stdout)[1])
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
@@ -44,7 +30,7 @@ def test_peak_rss_is_flat_when_the_experts_quadruple(tmp_path):
         write_checkpoint(plan_checkpoint({**DIMS, "experts": experts}, "k3", seed=1), model)
         sizes[experts] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         out = tmp_path / f"e{experts}.gguf"
-        peaks[experts] = _peak_rss_kib(model, out)
+        peaks[experts] = peak_rss_kib(model, out, "--quiet", timeout=600)
         out.unlink()
         for p in model.iterdir():
             p.unlink()
