@@ -65,7 +65,10 @@ class EditableCheckpoint:
     def index(self) -> dict:
         return json.loads((self.dir / INDEX).read_text())
 
-    def _save_index(self, index: dict) -> None:
+    def edit_weight_map(self, fn) -> None:
+        """Let `fn` change the index's weight_map in place, then write the index back."""
+        index = self.index
+        fn(index["weight_map"])
         (self.dir / INDEX).write_text(json.dumps(index, indent=2))
 
     def shard_of(self, name: str) -> Path:
@@ -79,17 +82,13 @@ class EditableCheckpoint:
     def drop(self, name: str) -> None:
         shard = self.shard_of(name)
         self.edit_shard(shard, lambda t: t.pop(name))
-        index = self.index
-        del index["weight_map"][name]
-        self._save_index(index)
+        self.edit_weight_map(lambda wmap: wmap.pop(name))
 
     def add(self, name: str, dtype: str, shape: list[int], data: bytes, shard_name: str) -> None:
         def put(t):
             t[name] = (dtype, shape, data)
         self.edit_shard(self.dir / shard_name, put)
-        index = self.index
-        index["weight_map"][name] = shard_name
-        self._save_index(index)
+        self.edit_weight_map(lambda wmap: wmap.update({name: shard_name}))
 
     def replace(self, name: str, dtype: str, shape: list[int], data: bytes) -> None:
         def put(t):
@@ -99,9 +98,7 @@ class EditableCheckpoint:
     def rename(self, old: str, new: str) -> None:
         shard = self.shard_of(old)
         self.edit_shard(shard, lambda t: t.__setitem__(new, t.pop(old)))
-        index = self.index
-        index["weight_map"][new] = index["weight_map"].pop(old)
-        self._save_index(index)
+        self.edit_weight_map(lambda wmap: wmap.update({new: wmap.pop(old)}))
 
     def edit_config(self, fn) -> None:
         path = self.dir / "config.json"

@@ -1,7 +1,6 @@
 """Header-first checkpoint reading, cross-checked against the safetensors package itself."""
 from __future__ import annotations
 
-import json
 import mmap
 
 import numpy as np
@@ -50,18 +49,14 @@ def test_tensor_in_a_shard_but_not_in_the_index(tmp_path, k3_tiny_dir):
 
 def test_tensor_in_the_index_but_not_in_its_shard(tmp_path, k3_tiny_dir):
     ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
-    index = ck.index
-    index["weight_map"]["language_model.ghost"] = "model-00002-of-000016.safetensors"
-    (ck.dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    ck.edit_weight_map(lambda wmap: wmap.update({"language_model.ghost": "model-00002-of-000016.safetensors"}))
     with pytest.raises(CheckpointError, match=r"language_model\.ghost is mapped to .* header does not contain it"):
         open_checkpoint(ck.dir)
 
 
 def test_tensor_mapped_to_the_wrong_shard(tmp_path, k3_tiny_dir):
     ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
-    index = ck.index
-    index["weight_map"]["language_model.model.norm.weight"] = "model-00001-of-000016.safetensors"
-    (ck.dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    ck.edit_weight_map(lambda wmap: wmap.update({"language_model.model.norm.weight": "model-00001-of-000016.safetensors"}))
     with pytest.raises(CheckpointError, match="model.norm.weight but .* maps it to model-00001"):
         open_checkpoint(ck.dir)
 
