@@ -6,7 +6,6 @@ import json
 import math
 import os
 import struct
-import time
 
 import pytest
 from hypothesis import given
@@ -103,14 +102,13 @@ def test_deeply_nested_header(tmp_path, depth):
     _check_file(tmp_path / SHARD)
 
 
-def test_a_header_with_a_huge_tensor_count_reads_in_linear_time(tmp_path):
-    """100,000 one-byte tensors (7 MB of JSON): measured 1 s of CPU; quadratic checks would take hours."""
+def test_a_header_with_a_huge_tensor_count(tmp_path):
+    """100,000 one-byte tensors (7 MB of JSON) are read and checked (quadratic checks would not
+    finish; bench/planning.py measures the time: about 1 s, 3x json.loads of the header)."""
     n = 100_000
     text = json.dumps({f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(n)}).encode()
     (tmp_path / SHARD).write_bytes(struct.pack("<Q", len(text)) + text + bytes(n))
-    start = time.process_time()
     assert len(read_shard_header(tmp_path / SHARD)) == n
-    assert time.process_time() - start < 10
 
 
 @pytest.mark.parametrize("dims", [[2 ** 62, 2 ** 62], [2 ** 64], [10 ** 30, 0]])

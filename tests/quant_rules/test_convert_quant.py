@@ -4,7 +4,6 @@ experts and every protected tensor byte-identical to the plain conversion, and
 from __future__ import annotations
 
 import re
-import time
 
 import numpy as np
 import pytest
@@ -86,11 +85,10 @@ def k31pro_real_plan(tmp_path_factory):
 
 def test_print_tensor_types_on_the_real_k31pro_plan(k31pro_real_plan, tmp_path, capsys):
     rules = tmp_path / "protect.txt"
-    start = time.monotonic()
+    # How long it takes is measured by bench/planning.py, not asserted here.
     rc = convert_kimi_k3.main([str(k31pro_real_plan), "--print-tensor-types", "--outtype", "q8_0",
                                "--export-quantize-rules", str(rules)])
-    elapsed = time.monotonic() - start
-    assert rc == 0 and elapsed < 60, elapsed  # about 15 s on a 2-core CI machine, mostly the plan
+    assert rc == 0
     out = capsys.readouterr().out.splitlines()
     rows = {l.split()[0]: re.split(r"\s{2,}", l) for l in out if l.startswith(("blk.", "token_embd", "output"))}
     assert len(rows) == 2573 + 24 * 4  # K3's tensors plus 4 indexer tensors per DSA layer
