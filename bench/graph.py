@@ -10,9 +10,12 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
 
   speed    on the --no-dsa GGUF, same thread count: prompt processing (one batch of --prompt
            tokens from an empty cache) and decode (--gen tokens one at a time after it), tokens/s,
-           for our fast path and for llama.cpp (llama-cpp-python, flash attention on, its default
-           F16 cache), each process's peak RSS (ru_maxrss). Every process first evaluates one
-           token, which pages the mapped weights in; the best of --repeats runs counts.
+           for our fast path with the weights mapped from the file (the default), our fast path
+           with `repack` (the routed experts copied into ggml's CPU_REPACK layout) and llama.cpp
+           (llama-cpp-python with its defaults: flash attention on, F16 cache, repacked
+           experts), each process's peak RSS (ru_maxrss). Every process first evaluates one
+           token, which pages the mapped weights in; the best of --repeats runs counts. Ours
+           records whether its ggml has llamafile's sgemm (scripts/setup_env.sh builds it so).
   contexts on the DSA GGUF, our fast path: decode time of one token (whole model) at each
            context length N of --contexts, for dense MLA (dsa off), the masked DSA path and the
            gathered one, with top_k = N / 8; and the time of the attention kernel alone per
@@ -93,9 +96,20 @@ def _speed(load, eval_tokens, reset, a: argparse.Namespace) -> dict:
 
 
 def child_ours(a: argparse.Namespace) -> dict:
+    import ggml
+
     from ggml_graph_spec.model import Model
-    return _speed(lambda: Model.load(a.gguf, n_ctx=a.prompt + a.gen + 1, n_threads=a.threads, dsa=False),
-                  lambda m, ids: m.eval(ids), lambda m: m.reset(), a)
+    repack = a.child == "ours-repack"
+    loaded = []
+
+    def load():
+        loaded.append(Model.load(a.gguf, n_ctx=a.prompt + a.gen + 1, n_threads=a.threads, dsa=False, repack=repack))
+        return loaded[-1]
+
+    r = _speed(load, lambda m, ids: m.eval(ids), lambda m: m.reset(), a)
+    r["llamafile_sgemm"] = bool(ggml.ggml_cpu_has_llamafile())
+    r["repacked_tensors"] = len(loaded[0].weights.repacked)
+    return r
 
 
 def child_llama(a: argparse.Namespace) -> dict:
@@ -188,7 +202,7 @@ def child_contexts(a: argparse.Namespace) -> dict:
     return out
 
 
-CHILDREN = {"ours": child_ours, "llama": child_llama, "contexts": child_contexts}
+CHILDREN = {"ours": child_ours, "ours-repack": child_ours, "llama": child_llama, "contexts": child_contexts}
 
 
 def run_child(kind: str, gguf: Path, a: argparse.Namespace) -> dict:
@@ -269,29 +283,35 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = os.getloadavg()  # other processes on the machine make every timing slower
     dsa, no_dsa = prepare(a.workdir)
     print(f"speed on {no_dsa.name}, {a.threads} threads", file=sys.stderr)
-    ours_runs, llama_runs = best_of_rounds("ours", no_dsa, a), best_of_rounds("llama", no_dsa, a)
-    for _ in range(a.rounds):  # alternate the two runtimes, so that a busy period hits both
-        next(ours_runs), next(llama_runs)
-    ours, llama = next(ours_runs), next(llama_runs)
+    kinds = ("ours", "ours-repack", "llama")
+    runs = [best_of_rounds(kind, no_dsa, a) for kind in kinds]
+    for _ in range(a.rounds):  # alternate the runtimes, so that a busy period hits all of them
+        for r in runs:
+            next(r)
+    ours, repack, llama = (next(r) for r in runs)
     print(f"contexts on {dsa.name}", file=sys.stderr)
     ctx = run_child("contexts", dsa, a)
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
                     "load_average_at_start": load_at_start},
         "checkpoint": {"synth": SYNTH, "gguf_bytes": {no_dsa.name: no_dsa.stat().st_size, dsa.name: dsa.stat().st_size}},
-        "speed": {"threads": a.threads, "gguf": no_dsa.name, "ours": ours, "llama_cpp": llama,
-                  "decode_ratio": ours["tg_tok_s"] / llama["tg_tok_s"], "pp_ratio": ours["pp_tok_s"] / llama["pp_tok_s"]},
+        "speed": {"threads": a.threads, "gguf": no_dsa.name, "ours": ours, "ours_repack": repack, "llama_cpp": llama,
+                  "decode_ratio": ours["tg_tok_s"] / llama["tg_tok_s"], "pp_ratio": ours["pp_tok_s"] / llama["pp_tok_s"],
+                  "repack_decode_ratio": repack["tg_tok_s"] / llama["tg_tok_s"],
+                  "repack_pp_ratio": repack["pp_tok_s"] / llama["pp_tok_s"]},
         "contexts": ctx, "crossover_context": {key: crossover(ctx, key) for key in TIMINGS},
     }
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     plot(ctx, a.json.with_suffix(".png"))
     s = result["speed"]
-    print(f"prompt processing: ours {ours['pp_tok_s']:.2f} tok/s, llama.cpp {llama['pp_tok_s']:.2f} tok/s "
-          f"({s['pp_ratio']:.2f}x)")
-    print(f"decode:            ours {ours['tg_tok_s']:.2f} tok/s, llama.cpp {llama['tg_tok_s']:.2f} tok/s "
-          f"({s['decode_ratio']:.2f}x)")
-    print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, llama.cpp {llama['peak_rss_mib']:.0f} MiB")
+    print(f"ours: llamafile sgemm {ours['llamafile_sgemm']}, with repack {repack['repacked_tensors']} tensors repacked")
+    print(f"prompt processing: ours {ours['pp_tok_s']:.2f} tok/s ({s['pp_ratio']:.2f}x), repack {repack['pp_tok_s']:.2f} "
+          f"tok/s ({s['repack_pp_ratio']:.2f}x), llama.cpp {llama['pp_tok_s']:.2f} tok/s (1.00x)")
+    print(f"decode:            ours {ours['tg_tok_s']:.2f} tok/s ({s['decode_ratio']:.2f}x), repack {repack['tg_tok_s']:.2f} "
+          f"tok/s ({s['repack_decode_ratio']:.2f}x), llama.cpp {llama['tg_tok_s']:.2f} tok/s (1.00x)")
+    print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, repack {repack['peak_rss_mib']:.0f} MiB, "
+          f"llama.cpp {llama['peak_rss_mib']:.0f} MiB")
     for n, k, i in zip(ctx["contexts"], ctx["top_k"], range(len(ctx["contexts"]))):
         ratios = {key: ctx["gather"][key][i] / ctx["masked"][key][i]
                   for key in ("decode_s", "attention_fast_s", "attention_exact_s")}

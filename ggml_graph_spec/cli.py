@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--exact-experts, else masked, the faster one for each)")
     p.add_argument("--exact-experts", action="store_true",
                    help="exact path: F32 activations in every matmul, F32 caches, no flash attention")
+    p.add_argument("--repack", action="store_true",
+                   help="copy the routed experts into ggml's repacked MXFP4 layout, as llama.cpp does by default: "
+                        "faster MoE matmuls, anonymous memory the size of the experts (fast path only)")
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
@@ -123,6 +126,8 @@ def _check_args(a: argparse.Namespace) -> None:
             raise UsageError(f"kimi-k3-cli: {name} must be >= {low}, got {value}")
     if not 0.0 <= a.top_p <= 1.0:
         raise UsageError(f"kimi-k3-cli: --top-p must be in [0, 1], got {a.top_p}")
+    if a.repack and a.exact_experts:
+        raise UsageError("kimi-k3-cli: --repack applies to the fast path, not with --exact-experts")
 
 
 def _read_text(path: Path) -> str:
@@ -264,7 +269,7 @@ def _context_size(requested: int, cfg: K3Config) -> int:
 
 def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
     """The model and tokenizer as the arguments ask for them."""
-    weights = load_gguf(args.model)
+    weights = load_gguf(args.model, repack=args.repack)
     try:
         tokenizer = BPETokenizer.from_gguf(weights.path)
         apply_kv_overrides(weights, tokenizer, dict(args.override_kv))
@@ -303,6 +308,9 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
         ("tensor types", ", ".join(f"{n} {k}" for k, n in sorted(types.items()))),
         ("path", "exact (F32 activations, F32 caches)" if model.exact else "fast (as llama.cpp: quantized "
                  "activations for quantized weights, F16 latent cache)"),
+        ("ggml CPU", f"llamafile sgemm {'on' if ggml.ggml_cpu_has_llamafile() else 'off (slower prompt batches)'}; "
+                     + (f"{len(w.repacked)} expert tensors repacked ({w.repacked_bytes / 2**20:.1f} MiB)"
+                        if w.repacked else "weights mapped from the file, none repacked")),
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]
     rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()]

@@ -123,6 +123,9 @@ class Model:
 
     def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
                  top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str | None = None):
+        if exact and weights.repacked:
+            raise EvalError(f"{weights.path}: the exact path dequantizes the experts from the file's layout; "
+                            "load the GGUF without repack for it")
         self.weights = weights
         self.cfg = weights.cfg
         self.exact = exact
@@ -145,7 +148,7 @@ class Model:
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
              top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None,
-             dsa_path: str | None = None) -> "Model":
+             dsa_path: str | None = None, repack: bool = False) -> "Model":
         """Open and validate a kimi-k3 GGUF.
 
         exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
@@ -156,9 +159,12 @@ class Model:
         scratch grows with it (3 x k experts x n_tokens dequantized F32 matrices per MoE layer).
         dsa_path: "gather" attends over only the top_k selected cache rows of each query, "masked"
         over the whole cache with the selection as a mask (same logits to f32 rounding);
-        None: `default_dsa_path(exact_experts)`.
+        None: `default_dsa_path(exact_experts)`. repack: the routed experts in ggml's repacked
+        layout (faster MoE matmuls, anonymous memory the size of the experts; fast path only).
         """
-        weights = load_gguf(path)
+        if repack and exact_experts:
+            raise EvalError("repack applies to the fast path; the exact path reads the experts from the file")
+        weights = load_gguf(path, repack=repack)
         if not 1 <= n_ctx <= weights.cfg.context_length:
             weights.close()
             raise EvalError(f"{path}: n_ctx must be in 1..{weights.cfg.context_length}, got {n_ctx}")
