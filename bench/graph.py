@@ -16,9 +16,9 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
            experts), each process's peak RSS (ru_maxrss). Every process first evaluates one
            token, which pages the mapped weights in; the best of --repeats runs counts. Ours
            records whether its ggml has llamafile's sgemm (scripts/setup_env.sh builds it so).
-  contexts on the DSA GGUF, our fast path: decode time of one token (whole model) at each
-           context length N of --contexts, for dense MLA (dsa off), the masked DSA path and the
-           gathered one, with top_k = N / 8; and the time of the attention kernel alone per
+  contexts on the DSA GGUF: decode time of one token (whole model, fast and exact path) at
+           each context length N of --contexts, for dense MLA (dsa off), the masked DSA path and
+           the gathered one, with top_k = N / 8; and the time of the attention kernel alone per
            decoded token (given the selection: masked = flash attention, or softmax on the exact
            path, over all N keys with the DSA mask; gather = top-k of the mask, get_rows of those
            rows, attention over them), for both kernels (fast: F16 cache + flash attention;
@@ -31,7 +31,7 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
 Results: bench/results/graph.json and bench/results/graph.png (decode time per token and the
 attention kernel's time per token, fast and exact, against the context length); the crossover
 contexts (the first measured N from which on the gathered path is faster than the masked one, for
-each of the three timings) are printed.
+each of the four timings) are printed.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ SYNTH = ["--preset", "large", "--experts", "8"]
 TOP_K_FRACTION = 8  # top_k = context / 8 in the context sweep
 PATHS = ("dense", "masked", "gather")
 ATTENTION_REPEATS = 7
-TIMINGS = ("decode_s", "attention_fast_s", "attention_exact_s")
+TIMINGS = ("decode_s", "decode_exact_s", "attention_fast_s", "attention_exact_s")
 
 
 # ---- checkpoint and GGUFs ---------------------------------------------------------------------
@@ -167,38 +167,52 @@ def _attention_time(m, n: int, top_k: int | None, path: str, exact: bool, rng) -
         return _time(lambda: m._exec.compute(g, [out]))
 
 
+def _decode_time(m, n: int, a: argparse.Namespace) -> float:
+    """The fastest of `repeats` whole-model decode steps at context n (caches already filled)."""
+    runs = []
+    for _ in range(a.repeats):
+        m.cache.n_past = n
+        runs.append(_time(lambda: m.eval([1])))
+    return min(runs)
+
+
 def child_contexts(a: argparse.Namespace) -> dict:
     import numpy as np
 
     from ggml_graph_spec.model import Model
     rng = np.random.default_rng(0)
     n_ctx = max(a.contexts) + 1
-    models = {"dense": Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa=False),
-              "masked": Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa_path="masked"),
-              "gather": Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa_path="gather")}
-    out: dict = {"contexts": a.contexts, "top_k": [], "layer": models["masked"].cfg.indexer.layers[0],
-                 **{p: {"decode_s": [], "attention_fast_s": [], "attention_exact_s": []} for p in PATHS}}
+
+    def load(path: str, exact: bool):
+        if path == "dense":
+            return Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa=False, exact_experts=exact)
+        return Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa_path=path, exact_experts=exact)
+
+    models = {(p, exact): load(p, exact) for p in PATHS for exact in (False, True)}
+    out: dict = {"contexts": a.contexts, "top_k": [], "layer": models["masked", False].cfg.indexer.layers[0],
+                 **{p: {key: [] for key in TIMINGS} for p in PATHS}}
     for m in models.values():
         m.eval([1])  # warm-up
     for n in a.contexts:
         top_k = max(1, n // TOP_K_FRACTION)
         out["top_k"].append(top_k)
-        for path, m in models.items():
-            if path != "dense":
-                m.top_k = top_k
-            _fill_caches(m, n, rng)
-            runs = {"decode_s": [], "attention_fast_s": [], "attention_exact_s": []}
-            for _ in range(a.repeats):
-                m.cache.n_past = n
-                runs["decode_s"].append(_time(lambda: m.eval([1])))
+        for path in PATHS:
+            for exact in (False, True):
+                m = models[path, exact]
+                if path != "dense":
+                    m.top_k = top_k
+                _fill_caches(m, n, rng)
+                out[path]["decode_exact_s" if exact else "decode_s"].append(_decode_time(m, n, a))
             k = None if path == "dense" else top_k
+            m = models[path, False]
+            runs = {"attention_fast_s": [], "attention_exact_s": []}
             for _ in range(ATTENTION_REPEATS):  # short runs: more of them against a busy machine
                 runs["attention_fast_s"].append(_attention_time(m, n, k, path, False, rng))
                 runs["attention_exact_s"].append(_attention_time(m, n, k, path, True, rng))
             for key, v in runs.items():
                 out[path][key].append(min(v))
             print(f"  N {n:6d} top_k {top_k:5d} {path:6s}: " + ", ".join(
-                f"{key[:-2]} {out[path][key][-1] * 1e3:7.2f} ms" for key in runs), file=sys.stderr, flush=True)
+                f"{key[:-2]} {out[path][key][-1] * 1e3:7.2f} ms" for key in TIMINGS), file=sys.stderr, flush=True)
     return out
 
 
@@ -243,8 +257,9 @@ def plot(ctx: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     panels = (("decode_s", "decode time per token (whole model, fast path)"),
+              ("decode_exact_s", "decode time per token (whole model, exact path)"),
               ("attention_fast_s", "attention kernel per token, fast path"),
               ("attention_exact_s", "attention kernel per token, exact path"))
     for ax, (key, title) in zip(axes, panels):
@@ -269,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens (one batch)")
     p.add_argument("--gen", type=int, default=8, help="decoded tokens")
-    p.add_argument("--repeats", type=int, default=2, help="runs per process (the fastest counts)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per process (the fastest counts)")
     p.add_argument("--rounds", type=int, default=3, help="processes per runtime for the speed comparison")
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
     p.add_argument("--json", type=Path, default=RESULTS / "graph.json")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
@@ -313,10 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, repack {repack['peak_rss_mib']:.0f} MiB, "
           f"llama.cpp {llama['peak_rss_mib']:.0f} MiB")
     for n, k, i in zip(ctx["contexts"], ctx["top_k"], range(len(ctx["contexts"]))):
-        ratios = {key: ctx["gather"][key][i] / ctx["masked"][key][i]
-                  for key in ("decode_s", "attention_fast_s", "attention_exact_s")}
-        print(f"N {n:6d} top_k {k:5d}: gather/masked decode {ratios['decode_s']:.2f}, attention fast "
-              f"{ratios['attention_fast_s']:.2f}, exact {ratios['attention_exact_s']:.2f}")
+        ratios = {key: ctx["gather"][key][i] / ctx["masked"][key][i] for key in TIMINGS}
+        print(f"N {n:6d} top_k {k:5d}: gather/masked decode fast {ratios['decode_s']:.2f}, exact "
+              f"{ratios['decode_exact_s']:.2f}; attention fast {ratios['attention_fast_s']:.2f}, exact "
+              f"{ratios['attention_exact_s']:.2f}")
     for key, n in result["crossover_context"].items():
         print(f"crossover context ({key}: gather faster than masked from here on): {n}")
     return 0

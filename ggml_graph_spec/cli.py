@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the DSA indexer of a K3.1-Pro GGUF (off: dense MLA attention)")
     p.add_argument("--dsa-path", choices=DSA_PATHS, default=None,
                    help="DSA attention: gather = over only the top_k selected cache rows per query, masked = over "
-                        "the whole cache with the selection as a mask (same logits; default: gather with "
-                        "--exact-experts, else masked, the faster one for each)")
+                        "the whole cache with the selection as a mask (same logits to rounding; default: gather, "
+                        "the faster one)")
     p.add_argument("--exact-experts", action="store_true",
                    help="exact path: F32 activations in every matmul, F32 caches, no flash attention")
     p.add_argument("--repack", action="store_true",

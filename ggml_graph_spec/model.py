@@ -29,12 +29,11 @@ from .mla import build_mla
 
 
 
-def default_dsa_path(exact: bool) -> str:
-    """The faster DSA path per kernel, as bench/graph.py measured it: on the exact path (softmax
-    over every key) gathering is 4-8x faster from 1k tokens on; on the fast path ggml's flash
-    attention already skips the masked keys, the two measure within noise, and the masked one
-    needs no extra top-k or row copies."""
-    return "gather" if exact else "masked"
+# The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
+# kernels in bench/graph.py (attention kernel 0.41-0.96x of masked on the fast path, 0.07-0.21x
+# on the exact one, 1k-128k contexts; whole-model decode 0.66x / 0.57x at 128k), and equal on a
+# 512-token prefill.
+DEFAULT_DSA_PATH = "gather"
 
 
 WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe"})
@@ -136,7 +135,7 @@ class Model:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EvalError(f"{name} must be an integer >= 1, got {value!r}")
         self.n_batch = n_batch
-        dsa_path = default_dsa_path(exact) if dsa_path is None else dsa_path
+        dsa_path = DEFAULT_DSA_PATH if dsa_path is None else dsa_path
         if dsa_path not in DSA_PATHS:
             raise EvalError(f"dsa_path must be one of {', '.join(DSA_PATHS)}, got {dsa_path!r}")
         self.dsa_path = dsa_path
@@ -159,7 +158,7 @@ class Model:
         scratch grows with it (3 x k experts x n_tokens dequantized F32 matrices per MoE layer).
         dsa_path: "gather" attends over only the top_k selected cache rows of each query, "masked"
         over the whole cache with the selection as a mask (same logits to f32 rounding);
-        None: `default_dsa_path(exact_experts)`. repack: the routed experts in ggml's repacked
+        None: DEFAULT_DSA_PATH. repack: the routed experts in ggml's repacked
         layout (faster MoE matmuls, anonymous memory the size of the experts; fast path only).
         """
         if repack and exact_experts:

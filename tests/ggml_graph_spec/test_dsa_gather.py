@@ -73,11 +73,12 @@ def test_unknown_dsa_path_is_a_one_line_error(k31pro_tiny_gguf):
         Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, dsa_path="sparse")
 
 
-def test_default_dsa_path_is_the_faster_one_per_kernel(k31pro_tiny_gguf):
-    # bench/results/graph.json: gather 4-8x faster on the exact kernel, within noise on the fast one.
-    for exact, want in ((True, "gather"), (False, "masked")):
+def test_default_dsa_path_is_the_faster_one_on_both_kernels(k31pro_tiny_gguf):
+    # bench/results/graph.json: gather's attention kernel is faster at every measured context on
+    # both kernels, and its whole-model decode is equal to 32k and faster beyond.
+    for exact in (True, False):
         m = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, exact_experts=exact, n_threads=1)
         try:
-            assert m.dsa_path == want
+            assert m.dsa_path == "gather"
         finally:
             m.close()
