@@ -35,6 +35,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf_arch import keys as K
 from gguf_arch.config import IndexerConfig, K3Config, KDAConfig
 from gguf_arch.errors import GGUFError
+from gguf_arch.gguf_file import open_gguf
 from gguf_arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
@@ -216,16 +217,6 @@ def check_tensors(cfg: K3Config, found: Mapping[str, Any], where: str) -> list[P
 # C int and the next use of the buffer segfaults. Bind the same C symbol with a pointer restype.
 _cpu_buffer_from_ptr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
     ctypes.cast(ggml.lib.ggml_backend_cpu_buffer_from_ptr, ctypes.c_void_p).value)
-
-
-def _open_reader(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(path, "r")
-    except FileNotFoundError:
-        raise GGUFError(f"{path}: not found") from None
-    except (ValueError, IndexError, KeyError, OSError) as exc:
-        # gguf-py reports a malformed or truncated file through whatever numpy raised.
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 
 def split_paths(path: Path, reader: GGUFReader) -> list[Path]:
@@ -442,9 +433,9 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
 
     repack: copy the routed experts into ggml's repacked layout (module docstring)."""
     path = Path(path)
-    first = _open_reader(path)
+    first = open_gguf(path)
     paths = split_paths(path, first)
-    readers = [first] + [_open_reader(p) for p in paths[1:]]
+    readers = [first] + [open_gguf(p) for p in paths[1:]]
     meta = read_metadata(readers)
     cfg = config_from_metadata(meta, str(path))
     found: dict[str, tuple[int, Any]] = {}

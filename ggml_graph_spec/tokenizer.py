@@ -22,6 +22,7 @@ import regex
 from gguf import GGUFReader, Keys, TokenType
 
 from gguf_arch.errors import GGUFError
+from gguf_arch.gguf_file import open_gguf
 from gguf_arch.tokenizer import GGUF_TOKENIZER_MODEL, GGUF_TOKENIZER_PRE, KIMI_K2_PATTERN, byte_to_unicode
 
 # V1 gives `regex` the set operations (`&&`) of the Rust regex engine tiktoken runs on.
@@ -72,7 +73,7 @@ class BPETokenizer:
 
     @classmethod
     def from_gguf(cls, source: Path | str | GGUFReader) -> "BPETokenizer":
-        reader = source if isinstance(source, GGUFReader) else GGUFReader(source)
+        reader = source if isinstance(source, GGUFReader) else open_gguf(Path(source))
         model = _field(reader, Keys.Tokenizer.MODEL)
         if model != GGUF_TOKENIZER_MODEL:
             raise GGUFError(f"{Keys.Tokenizer.MODEL} is {model!r}, expected {GGUF_TOKENIZER_MODEL!r} (byte-level BPE)")

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from .config import K3Config, load_config
-from .errors import EXIT_INTERRUPTED, CheckpointError, GGUFError, KimiError
+from .errors import EXIT_INTERRUPTED, CheckpointError, KimiError
+from .gguf_file import open_gguf
 from .tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, TABLE, PlannedTensor, plan_tensors
 
 DIFFERENCES_EXIT = 1
@@ -424,12 +425,7 @@ class _GGUF:
     """The GGUF's tensors by name, and their bytes one row range at a time."""
 
     def __init__(self, path: Path):
-        try:
-            self.reader = GGUFReader(path)
-        except FileNotFoundError:
-            raise GGUFError(f"{path}: not found") from None
-        except (OSError, ValueError, IndexError, KeyError, TypeError) as exc:
-            raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from None
+        self.reader = open_gguf(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def rows(self, name: str, first: int, count: int) -> np.ndarray:

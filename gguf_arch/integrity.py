@@ -34,6 +34,7 @@ from gguf import GGUFReader
 from gguf.constants import Keys
 
 from .diff import MISSING, iter_tensor_diffs
+from .gguf_file import open_gguf
 from .errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError
 from .jsonfile import read_json
 from .safetensors_index import open_checkpoint
@@ -117,19 +118,10 @@ def _sha256_of_range(path: Path, start: int, nbytes: int) -> str:
     return h.hexdigest()
 
 
-def _open_gguf(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(path, "r")
-    except FileNotFoundError:
-        raise GGUFError(f"{path}: not found") from None
-    except (OSError, ValueError, IndexError, KeyError, TypeError) as exc:
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-
-
 def write_manifest(gguf: Path | str, digests: Iterable[TensorDigest]) -> Path:
     """Write `<gguf>.sha256.json` atomically; the header digest is read back from the GGUF."""
     gguf = Path(gguf)
-    start = _data_start(_open_gguf(gguf))
+    start = _data_start(open_gguf(gguf))
     doc = {"format": MANIFEST_FORMAT, "gguf": gguf.name, "gguf_size": gguf.stat().st_size,
            "header_sha256": _sha256_of_range(gguf, 0, start),
            "tensors": [[d.name, d.ggml_type, d.nbytes, d.sha256] for d in digests]}
@@ -182,7 +174,7 @@ def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
     size = gguf.stat().st_size
     if size != manifest.gguf_size:
         raise IntegrityError(f"{gguf}: {size} bytes, the manifest says {manifest.gguf_size} (truncated or replaced)")
-    reader = _open_gguf(gguf)
+    reader = open_gguf(gguf)
     if _sha256_of_range(gguf, 0, _data_start(reader)) != manifest.header_sha256:
         raise IntegrityError(f"{gguf}: header (metadata or tensor infos) differs from the manifest's digest")
     found = [(t.name, Q(t.tensor_type).name, int(t.n_bytes), int(t.data_offset)) for t in reader.tensors]
@@ -198,7 +190,7 @@ def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
 
 def gguf_parts(gguf: Path) -> list[Path]:
     """The files of a conversion: `gguf` itself, or every part of a split given its first part."""
-    field = _open_gguf(gguf).fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+    field = open_gguf(gguf).fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
     count = int(field.contents()) if field is not None else 1
     if count <= 1:
         return [gguf]

@@ -16,7 +16,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
-from .jsonfile import read_json
+from .jsonfile import NotRegularFile, open_regular, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own limit on the JSON header; a larger length field means a corrupt file.
@@ -114,13 +113,10 @@ def read_shard_header(path: Path) -> dict[str, TensorEntry]:
     """Parse and validate one shard's header without reading tensor data."""
     shard = path.name
     try:
-        # O_NONBLOCK: opening a FIFO planted under a shard's name must not wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
-            raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is {kind}")
+        try:
+            fd = open_regular(path)
+        except NotRegularFile as exc:
+            raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} {exc}") from None
         with open(fd, "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)

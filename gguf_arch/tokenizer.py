@@ -19,7 +19,7 @@ from gguf import Keys, TokenType
 
 from .config import K3Config
 from .errors import TokenizerError
-from .jsonfile import read_json
+from .jsonfile import read_json, read_text
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -75,12 +75,7 @@ class SpecialTokens:
 
 def read_ranks(path: Path) -> list[bytes]:
     """tiktoken.model -> token bytes indexed by rank; ranks must be exactly 0..n-1."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: not found (the K3 tokenizer needs {TIKTOKEN_FILE})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path}: cannot be read: {exc}") from None
+    text = read_text(path, TokenizerError, f"not found (the K3 tokenizer needs {TIKTOKEN_FILE})")
     by_rank: dict[int, bytes] = {}
     rank_of: dict[bytes, int] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):

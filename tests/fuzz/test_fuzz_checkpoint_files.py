@@ -223,3 +223,21 @@ def test_a_zero_situ_cap_is_refused_at_conversion(field):
     raw["text_config"][field] = 0.0
     with pytest.raises(ConfigError, match=f"text_config.{field} must be > 0, got 0.0"):
         parse_config(raw)
+
+
+# ---- files that are not regular files --------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["config.json", safetensors_index.INDEX_FILE, "tiktoken.model", "tokenizer_config.json"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_checkpoint_file_that_is_not_a_regular_file(tmp_path, name, kind):
+    """A FIFO planted under one of the checkpoint's own file names would block a plain open()
+    until a writer comes (forever): the converter refuses it at once, one line, exit 2. Run in a
+    child process with a timeout, so a regression fails instead of hanging the suite."""
+    from tests.faults.cli import run_cli
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURE, model)
+    (model / name).unlink()
+    os.mkfifo(model / name) if kind == "fifo" else (model / name).mkdir()
+    res = run_cli(model, tmp_path / "out.gguf", "--quiet", timeout=60)
+    res.one_error_line(2, str(model / name), "not a regular file" if kind == "fifo" else "is a directory")
+    assert not (tmp_path / "out.gguf").exists()

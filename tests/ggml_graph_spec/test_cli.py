@@ -1,6 +1,7 @@
 """kimi-k3-cli end to end on the fixture GGUFs: greedy text, EOS, overrides, DSA switches, errors."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,18 @@ def test_python_dash_m_is_the_cli_with_its_exit_codes(tmp_path):
                        cwd=repo, capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_BAD_INPUT
     assert r.stdout == "" and r.stderr.count("\n") == 1 and "none.gguf: not found" in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_model_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """np.memmap (under gguf-py) opens the path itself, and a FIFO would block that open forever:
+    refused before, in a child process with a timeout so that a regression fails, not hangs."""
+    model = tmp_path / "model.gguf"
+    os.mkfifo(model) if kind == "fifo" else model.mkdir()
+    r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(model), "-p", "x"],
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_BAD_INPUT and r.stderr.count("\n") == 1, r.stderr
+    assert f"{model}: " in r.stderr and ("not a regular file" if kind == "fifo" else "is a directory") in r.stderr
 
 
 def test_a_full_context_ends_generation(capsys, tmp_path, k3_tiny_gguf, k3_ref):
