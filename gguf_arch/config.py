@@ -389,8 +389,13 @@ def parse_config(raw: dict, source: str = "config.json") -> K3Config:
     )
 
 
+def read_config_json(model_dir: Path | str) -> tuple[Path, Any]:
+    """`model_dir/config.json` and its parsed JSON, not yet validated."""
+    path = Path(model_dir) / "config.json"
+    return path, read_json(path, ConfigError, "not found (expected a Kimi K3 checkpoint directory)")
+
+
 def load_config(model_dir: Path | str) -> K3Config:
     """Read and validate `model_dir/config.json`."""
-    path = Path(model_dir) / "config.json"
-    raw = read_json(path, ConfigError, "not found (expected a Kimi K3 checkpoint directory)")
+    path, raw = read_config_json(model_dir)
     return parse_config(raw, str(path))

@@ -8,14 +8,13 @@ in addition `#` starts a comment (llama-quantize has no comments: the exported f
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable
 
 from gguf import GGMLQuantizationType as Q
 
-from gguf_arch.config import K3Config, load_config, text_section
+from gguf_arch.config import K3Config, parse_config, read_config_json, text_section
 from gguf_arch.convert import plan_conversion
 from gguf_arch.errors import ConfigError, OutputError
 from gguf_arch.safetensors_index import TensorMeta, open_checkpoint, read_weight_map
@@ -174,9 +173,8 @@ def write_quantize_rules(path: Path, resolution: Resolution) -> str:
 _DECLARED_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
-def _declared_dtype(model_dir: Path) -> str:
-    path = model_dir / "config.json"
-    text = text_section(json.loads(path.read_text(encoding="utf-8")))
+def _declared_dtype(path: Path, raw: dict) -> str:
+    text = text_section(raw)
     declared = text.get("dtype", text.get("torch_dtype"))
     if declared not in _DECLARED_DTYPES:
         raise ConfigError(f"{path}: text_config.dtype is {declared!r}; without the shards the source types are "
@@ -202,14 +200,15 @@ def _declared_metas(names: Iterable[str], cfg: K3Config, dtype: str) -> dict[str
 def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True) -> tuple[Resolution, str]:
     """The types a conversion would write, without converting: from the shard headers when the shards
     are there, else from config.json and the index alone (source dtypes as config.json declares)."""
-    cfg = load_config(model_dir)
+    path, raw = read_config_json(model_dir)
+    cfg = parse_config(raw, str(path))  # a dict from here on
     wmap = read_weight_map(model_dir)
     if any((model_dir / s).is_file() for s in set(wmap.values())):
         with open_checkpoint(model_dir) as ckpt:
             metas = ckpt.metas
         source = "source types from the shard headers"
     else:
-        dtype = _declared_dtype(model_dir)
+        dtype = _declared_dtype(path, raw)
         metas = _declared_metas(wmap, cfg, dtype)
         source = (f"source types as config.json declares them ({dtype.lower()}, except the tensors K3 stores "
                   "in f32 and the mxfp4 routed experts): no shard present")

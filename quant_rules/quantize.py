@@ -18,6 +18,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from gguf_arch.safetensors_index import NUMPY_DTYPES
+from gguf_arch.transforms import SAME_BYTES, to_f32
+
 # f32 values decoded at once (4 MiB); gguf-py's MXFP4 quantizer needs 16x that in temporaries.
 BATCH_VALUES = 1024 * 1024
 
@@ -27,12 +30,15 @@ def row_nbytes(t: Q, row: int) -> int:
     return row // block * size
 
 
+# The float GGML types by the safetensors dtype that holds the same bytes.
+_FLOAT_DTYPE = {q: dtype for dtype, q in SAME_BYTES.items()}
+
+
 def decode_rows(t: Q, raw: np.ndarray, row: int) -> np.ndarray:
     """uint8 bytes of whole rows of type `t` -> f32 [rows, row]."""
-    if t == Q.BF16:
-        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(-1, row)
-    if t in (Q.F16, Q.F32):
-        return raw.view("<f2" if t == Q.F16 else "<f4").astype(np.float32).reshape(-1, row)
+    if t in _FLOAT_DTYPE:
+        dtype = _FLOAT_DTYPE[t]
+        return to_f32(dtype, raw.view(NUMPY_DTYPES[dtype])).reshape(-1, row)
     return quants.dequantize(raw.reshape(-1, row_nbytes(t, row)), t).reshape(-1, row)
 
 
