@@ -10,19 +10,14 @@ every tensor offset is a multiple of the file's alignment, so the whole mapping 
 CPU backend buffer (`ggml_backend_cpu_buffer_from_ptr`) and each ggml tensor is pointed at its
 bytes inside it (`ggml_backend_tensor_alloc`). The weights are read-only: no op may write them.
 
-Repack (opt-in, `repack=True`): the routed experts are copied into ggml's CPU_REPACK buffer,
-which stores MXFP4 in the interleaved 8x8 layout its AVX2 mul_mat_id kernels read, as llama.cpp
-does by default (its --no-repack turns it off). It costs anonymous memory the size of the experts
-(the bulk of the model); ggml decides which tensors it can repack on this CPU, the others stay
-in the mapped file.
+With `repack=True` the routed experts are copied into ggml's repacked layout instead
+(`repack.py`).
 """
 from __future__ import annotations
 
 import ctypes
 import math
-import mmap
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -38,6 +33,8 @@ from gguf_arch.errors import GGUFError
 from gguf_arch.gguf_file import open_gguf
 from gguf_arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
+
+from .repack import Repacked, Source, repack_experts
 
 # Types a "source precision" tensor (matrices, embeddings) may have: every type the converter
 # can write (quant_rules: --outtype / --tensor-type) plus the K-quants llama-quantize writes;
@@ -255,20 +252,6 @@ class _MappedFile:
 
 
 @dataclass
-class _Repacked:
-    """Tensors copied into ggml's CPU_REPACK buffer: their context and that buffer."""
-
-    tensors: dict[str, Any]  # GGUF name -> ggml_tensor_p
-    nbytes: int
-    ctx: Any
-    buffer: Any
-
-    def free(self) -> None:
-        ggml.ggml_backend_buffer_free(self.buffer)
-        ggml.ggml_free(self.ctx)
-
-
-@dataclass
 class GGUFWeights:
     """A validated kimi-k3 GGUF: the config and a ggml tensor per GGUF tensor, no copies (but
     the repacked experts, with repack=True)."""
@@ -279,7 +262,7 @@ class GGUFWeights:
     tensors: dict[str, Any]  # GGUF name -> ggml_tensor_p
     _files: list[_MappedFile] = field(repr=False)
     _ctx: Any = field(repr=False)
-    _repacked: _Repacked | None = field(default=None, repr=False)
+    _repacked: Repacked | None = field(default=None, repr=False)
 
     @property
     def repacked(self) -> tuple[str, ...]:
@@ -334,98 +317,10 @@ def _tensor_bytes_in_file(reader: GGUFReader, t, where: str) -> None:
                         f"({reader.data.nbytes} bytes) or not {reader.alignment}-byte aligned")
 
 
-# ---------------------------------------------------------------------------------------------
-# repack
-# ---------------------------------------------------------------------------------------------
-
-_last_log_level = ggml.GGML_LOG_LEVEL_INFO
-
-
-@ggml.ggml_log_callback
-def _ggml_log(level: int, text: bytes, _user_data) -> None:
-    """ggml's default logger prints every level to stderr; like llama.cpp's, ours drops DEBUG
-    (one line per repacked tensor, say) and the continuation lines that follow it."""
-    global _last_log_level
-    if level != ggml.GGML_LOG_LEVEL_CONT:
-        _last_log_level = level
-    if _last_log_level != ggml.GGML_LOG_LEVEL_DEBUG:
-        sys.stderr.write(text.decode(errors="replace"))
-
-
-ggml.ggml_log_set(_ggml_log, None)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
-def _release_pages(address: int, nbytes: int) -> None:
-    """Drop this process's resident pages of a read-only file mapping (they refault from the
-    file if touched again): the repacked copy replaces them, so they need not count twice."""
-    start = address - address % mmap.PAGESIZE
-    _libc.madvise(start, address + nbytes - start, mmap.MADV_DONTNEED)
-
-
-def cpu_repack_buffer_type() -> int | None:
-    """ggml's CPU_REPACK buffer type, or None where this ggml build has none."""
-    dev = ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
-    fn = ggml.ggml_backend_reg_get_proc_address(ggml.ggml_backend_dev_backend_reg(dev),
-                                                b"ggml_backend_dev_get_extra_bufts")
-    if not fn:
-        return None
-    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
-    i = 0
-    while bufts[i]:
-        if ggml.ggml_backend_buft_name(bufts[i]) == b"CPU_REPACK":
-            return bufts[i]
-        i += 1
-    return None
-
-
-def _alloc_in(buft: int, specs: list[tuple[str, int, tuple[int, ...]]], where: str) -> tuple[Any, Any, dict[str, Any]]:
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * (len(specs) + 1),
-                                               mem_buffer=None, no_alloc=True))
-    tensors = {name: _ggml_tensor(ctx, name, ggml_type, ne) for name, ggml_type, ne in specs}
-    buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
-    if not buffer:
-        ggml.ggml_free(ctx)
-        need = sum(ggml.ggml_nbytes(t) for t in tensors.values())
-        raise GGUFError(f"{where}: cannot allocate {need / 2**30:.1f} GiB for the repacked experts; "
-                        "load without repack (the experts are then read from the mapped file)")
-    return ctx, buffer, tensors
-
-
-def _repack_experts(files: list[_MappedFile], found: Mapping[str, tuple[int, Any]],
-                    present: list[PlannedTensor], where: str) -> _Repacked | None:
-    """Copy the routed experts ggml can repack on this CPU into a CPU_REPACK buffer.
-
-    Which ones it can is ggml's decision (type, row count, CPU features): its buffer marks a
-    tensor it will repack with layout traits (`extra`) when the tensor is allocated. Setting a
-    tensor without them would crash, so the unmarked ones are dropped and the rest allocated
-    again. Only tensors that are nothing but the weight of a mul_mat_id with F32 activations
-    (the routed experts on the fast path) may go there: any other op would read the repacked
-    bytes as if they were plain ones.
-    """
-    buft = cpu_repack_buffer_type()
-    specs = [(p.name, int(found[p.name][1].tensor_type), tuple(int(d) for d in found[p.name][1].shape))
-             for p in present if p.spec.out == OUT_MXFP4]
-    if buft is None or not specs:
-        return None
-    ctx, buffer, tensors = _alloc_in(buft, specs, where)
-    keep = [s for s in specs if tensors[s[0]].contents.extra]
-    if len(keep) < len(specs):
-        ggml.ggml_backend_buffer_free(buffer)
-        ggml.ggml_free(ctx)
-        if not keep:
-            return None
-        ctx, buffer, tensors = _alloc_in(buft, keep, where)
-    nbytes = 0
-    for name, t in tensors.items():
-        i, src = found[name]
-        address = files[i].address(src.data_offset)
-        ggml.ggml_backend_tensor_set(t, ctypes.c_void_p(address), 0, ggml.ggml_nbytes(t))
-        _release_pages(address, int(src.n_bytes))
-        nbytes += ggml.ggml_nbytes(t)
-    return _Repacked(tensors, nbytes, ctx, buffer)
+def _source(files: list[_MappedFile], found: Mapping[str, tuple[int, Any]], name: str) -> Source:
+    i, t = found[name]
+    return Source(name, int(t.tensor_type), tuple(int(d) for d in t.shape), files[i].address(t.data_offset),
+                  int(t.n_bytes))
 
 
 def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
@@ -449,7 +344,8 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
 
     files = [_MappedFile.wrap(r) for r in readers]
     try:
-        repacked = _repack_experts(files, found, present, str(path)) if repack else None
+        repacked = repack_experts([_source(files, found, p.name) for p in present if p.spec.out == OUT_MXFP4],
+                                  str(path)) if repack else None
     except GGUFError:
         for f in files:
             ggml.ggml_backend_buffer_free(f.buffer)
