@@ -39,19 +39,36 @@ def _codes(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+# One ggml block_mxfp4 as a record: the exponent byte, then the 16 code bytes (V16 keeps numpy
+# copying them as one 16-byte item instead of 16 strided bytes).
+_GGML_BLOCK = np.dtype({"names": ["e", "qs"], "formats": ["u1", "V16"], "offsets": [0, 1], "itemsize": BLOCK_BYTES})
+_LOW = np.uint64(0x0F0F0F0F0F0F0F0F)
+_HIGH = np.uint64(0xF0F0F0F0F0F0F0F0)
+_NIBBLE = np.uint64(4)
+
+
 def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """One expert matrix -> ggml block_mxfp4 bytes, uint8 [rows, cols/32 * 17]."""
+    """One expert matrix -> ggml block_mxfp4 bytes, uint8 [rows, cols/32 * 17].
+
+    Source byte i of a block holds codes 2i (low nibble) and 2i+1 (high): codes 0..15 are in
+    bytes 0..7 ("first"), codes 16..31 in bytes 8..15 ("second"). ggml wants qs[j] = code[j] |
+    code[j+16] << 4, so qs[2i] = low(first[i]) | low(second[i]) << 4 and qs[2i+1] =
+    high(first[i]) >> 4 | high(second[i]). The nibbles of all 8 bytes of a half move at once as
+    one uint64; the two results are interleaved byte by byte by widening to uint16 (low byte
+    qs[2i], high byte qs[2i+1]). About 6x faster than the same on strided uint8 views.
+    """
     rows, nblocks = _check_pair(packed, scale)
-    blocks = packed.reshape(rows, nblocks, BLOCK // 2)
-    # Source byte i of a block holds codes 2i (low) and 2i+1 (high): codes 0..15 are in bytes
-    # 0..7 ("first"), codes 16..31 in bytes 8..15 ("second"). Working on nibbles in place keeps
-    # the temporaries at half a block each instead of unpacking all 32 codes.
-    first, second = blocks[..., :8], blocks[..., 8:]
-    out = np.empty((rows, nblocks, BLOCK_BYTES), dtype=np.uint8)
-    out[..., 0] = scale
-    out[..., 1::2] = (first & 0x0F) | (second << 4)  # qs[2i]   = code[2i]   | code[2i+16] << 4
-    out[..., 2::2] = (first >> 4) | (second & 0xF0)  # qs[2i+1] = code[2i+1] | code[2i+17] << 4
-    return out.reshape(rows, nblocks * BLOCK_BYTES)
+    n = rows * nblocks
+    halves = np.ascontiguousarray(packed).reshape(n, BLOCK // 2).view(np.uint64)  # [n, 2]: first, second
+    first, second = halves[:, 0], halves[:, 1]
+    even = (first & _LOW) | ((second & _LOW) << _NIBBLE)  # byte i: qs[2i]
+    odd = ((first >> _NIBBLE) & _LOW) | (second & _HIGH)  # byte i: qs[2i+1]
+    qs = even.view(np.uint8).astype(np.uint16)
+    qs |= odd.view(np.uint8).astype(np.uint16) << np.uint16(8)
+    out = np.empty(n, dtype=_GGML_BLOCK)
+    out["e"] = np.ascontiguousarray(scale).reshape(n)
+    out["qs"] = qs.view("V16").reshape(n)
+    return out.view(np.uint8).reshape(rows, nblocks * BLOCK_BYTES)
 
 
 def dequantize_compressed(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
