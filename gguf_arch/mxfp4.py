@@ -45,6 +45,9 @@ _GGML_BLOCK = np.dtype({"names": ["e", "qs"], "formats": ["u1", "V16"], "offsets
 _LOW = np.uint64(0x0F0F0F0F0F0F0F0F)
 _HIGH = np.uint64(0xF0F0F0F0F0F0F0F0)
 _NIBBLE = np.uint64(4)
+# Blocks repacked per step: the temporaries (about 48 bytes a block, 1.5 MB) stay in the CPU cache
+# instead of being several copies of a 5.8 MB expert (measured: 2.1 GB/s, against 0.5 in one step).
+_BLOCKS_PER_STEP = 32768
 
 
 def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -55,19 +58,21 @@ def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     code[j+16] << 4, so qs[2i] = low(first[i]) | low(second[i]) << 4 and qs[2i+1] =
     high(first[i]) >> 4 | high(second[i]). The nibbles of all 8 bytes of a half move at once as
     one uint64; the two results are interleaved byte by byte by widening to uint16 (low byte
-    qs[2i], high byte qs[2i+1]). About 6x faster than the same on strided uint8 views.
+    qs[2i], high byte qs[2i+1]). About 4x faster than the same on strided uint8 views.
     """
     rows, nblocks = _check_pair(packed, scale)
     n = rows * nblocks
     halves = np.ascontiguousarray(packed).reshape(n, BLOCK // 2).view(np.uint64)  # [n, 2]: first, second
-    first, second = halves[:, 0], halves[:, 1]
-    even = (first & _LOW) | ((second & _LOW) << _NIBBLE)  # byte i: qs[2i]
-    odd = ((first >> _NIBBLE) & _LOW) | (second & _HIGH)  # byte i: qs[2i+1]
-    qs = even.view(np.uint8).astype(np.uint16)
-    qs |= odd.view(np.uint8).astype(np.uint16) << np.uint16(8)
     out = np.empty(n, dtype=_GGML_BLOCK)
     out["e"] = np.ascontiguousarray(scale).reshape(n)
-    out["qs"] = qs.view("V16").reshape(n)
+    qs_out = out["qs"]
+    for start in range(0, n, _BLOCKS_PER_STEP):
+        first, second = halves[start:start + _BLOCKS_PER_STEP, 0], halves[start:start + _BLOCKS_PER_STEP, 1]
+        even = (first & _LOW) | ((second & _LOW) << _NIBBLE)  # byte i: qs[2i]
+        odd = ((first >> _NIBBLE) & _LOW) | (second & _HIGH)  # byte i: qs[2i+1]
+        qs = even.view(np.uint8).astype(np.uint16)
+        qs |= odd.view(np.uint8).astype(np.uint16) << np.uint16(8)
+        qs_out[start:start + len(first)] = qs.view("V16").reshape(-1)
     return out.view(np.uint8).reshape(rows, nblocks * BLOCK_BYTES)
 
 
