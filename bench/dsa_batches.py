@@ -26,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.graph import TOP_K_FRACTION, _fill_caches  # noqa: E402
+from bench.graph import TOP_K_FRACTION, fill_caches  # noqa: E402
 from ggml_graph_spec.model import Model  # noqa: E402
 
 PATHS = ("masked", "gather")
@@ -60,7 +60,7 @@ def batches_after_context(gguf: Path, n: int, sizes: list[int], a: argparse.Name
         ids = [(7 * i) % 900 + 1 for i in range(T)]
         row = {"context": n, "top_k": n // TOP_K_FRACTION, "batch": T}
         for p, m in models.items():
-            _fill_caches(m, n, rng)
+            fill_caches(m, n, rng)
 
             def step():
                 m.cache.n_past = n

@@ -122,7 +122,7 @@ def child_llama(a: argparse.Namespace) -> dict:
     return r
 
 
-def _fill_caches(m, n: int, rng) -> None:
+def fill_caches(m, n: int, rng) -> None:
     """Random rows 0..n-1 in every latent and indexer key cache; the sequence is n tokens long."""
     import ggml
     import numpy as np
@@ -201,7 +201,7 @@ def child_contexts(a: argparse.Namespace) -> dict:
                 m = models[path, exact]
                 if path != "dense":
                     m.top_k = top_k
-                _fill_caches(m, n, rng)
+                fill_caches(m, n, rng)
                 out[path]["decode_exact_s" if exact else "decode_s"].append(_decode_time(m, n, a))
             k = None if path == "dense" else top_k
             m = models[path, False]
