@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace, log) -> None:
     if quant.requantize_experts is not None:
         print(requantize_warning(quant.requantize_experts), file=sys.stderr)
     if args.print_tensor_types or args.export_quantize_rules:
-        types, source = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
+        types, source, _ = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
         if args.print_tensor_types:
             print("\n".join([source, *types.log, *format_tensor_types(types)]))
         if args.export_quantize_rules:

@@ -13,7 +13,6 @@ from quant_rules.apply import final_outputs
 from quant_rules.cli_options import listing_resolution
 from quant_rules.rules import QuantOptions, type_name
 
-from .config import load_config
 from .convert import gguf_metadata, output_files
 from .keys import ARCH
 from .resume import OutputFile
@@ -25,11 +24,10 @@ from .writer import GGUFLayout, padded
 def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantOptions = QuantOptions(),
                   split: SplitLimits = SplitLimits()) -> tuple[list[OutputFile], list[str]]:
     """(the files a conversion would write, notes on how the plan was made)."""
-    types, source = listing_resolution(model_dir, quant, dsa=dsa)
+    types, source, cfg = listing_resolution(model_dir, quant, dsa=dsa)
     notes = [source, *types.log]
-    cfg = load_config(model_dir)
     has_tokenizer = (model_dir / TIKTOKEN_FILE).is_file()
-    kv = tuple(gguf_metadata(cfg if dsa else cfg.without_indexer(), model_dir)) if has_tokenizer else ()
+    kv = tuple(gguf_metadata(cfg, model_dir)) if has_tokenizer else ()
     layout = GGUFLayout(ARCH, kv, final_outputs(types))
     files = output_files(out, layout, split)
     if not has_tokenizer:

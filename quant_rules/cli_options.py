@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from gguf import GGMLQuantizationType as Q
 
@@ -197,7 +197,13 @@ def _declared_metas(names: Iterable[str], cfg: K3Config, dtype: str) -> dict[str
     return {name: expected.get(name, unplanned) for name in names}
 
 
-def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True) -> tuple[Resolution, str]:
+class Listing(NamedTuple):
+    types: Resolution
+    source: str  # where the source types came from
+    cfg: K3Config  # as the conversion plans it (without the indexer under --no-dsa)
+
+
+def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True) -> Listing:
     """The types a conversion would write, without converting: from the shard headers when the shards
     are there, else from config.json and the index alone (source dtypes as config.json declares)."""
     path, raw = read_config_json(model_dir)
@@ -213,4 +219,4 @@ def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True)
         source = (f"source types as config.json declares them ({dtype.lower()}, except the tensors K3 stores "
                   "in f32 and the mxfp4 routed experts): no shard present")
     plan = plan_conversion(cfg, metas, dsa=dsa)
-    return resolve_plan(plan.outputs, metas, options), source
+    return Listing(resolve_plan(plan.outputs, metas, options), source, plan.cfg)

@@ -43,7 +43,7 @@ import json, sys
 from pathlib import Path
 from quant_rules.cli_options import listing_resolution
 from quant_rules.rules import QuantOptions, type_name
-types, _ = listing_resolution(Path(sys.argv[1]), QuantOptions())
+types, _, _ = listing_resolution(Path(sys.argv[1]), QuantOptions())
 print(json.dumps([(d.name, type_name(d.final_type), d.nbytes) for d in types.decisions]))
 """
 

@@ -46,7 +46,7 @@ def test_stored_dtypes_are_the_fixtures_dtypes(fixture, shared_dir):
 
 
 def test_no_shard_listing_of_the_real_k31pro_plan_shows_the_f32_sources(tmp_path):
-    types, source = listing_resolution(write_k31pro_plan(tmp_path), QuantOptions())
+    types, source, _ = listing_resolution(write_k31pro_plan(tmp_path), QuantOptions())
     got = {d.name: d.source_type for d in types.decisions}
     assert len(got) == 2669
     assert {n: _expected_source_type(n, "BF16") for n in got} == got
@@ -60,7 +60,7 @@ def test_another_declared_dtype_covers_only_the_bf16_sources(tmp_path, k31pro_ti
     config["text_config"]["dtype"] = "float16"
     (tmp_path / "config.json").write_text(json.dumps(config))
     shutil.copy(k31pro_tiny_dir / INDEX_FILE, tmp_path / INDEX_FILE)
-    types, source = listing_resolution(tmp_path, QuantOptions())
+    types, source, _ = listing_resolution(tmp_path, QuantOptions())
     got = {d.name: d.source_type for d in types.decisions}
     assert {n: _expected_source_type(n, "F16") for n in got} == got
     assert "F32" in got.values() and "F16" in got.values()
