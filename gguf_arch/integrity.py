@@ -23,8 +23,6 @@ import hashlib
 import json
 import os
 import re
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -37,6 +35,7 @@ from .diff import MISSING, iter_tensor_diffs
 from .gguf_file import open_gguf
 from .errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError
 from .jsonfile import read_json
+from .pipeline import SerialWorker
 from .safetensors_index import open_checkpoint
 from .split import part_path
 
@@ -86,16 +85,13 @@ class TensorHasher:
         def hashed(t) -> Iterator:
             # SHA-256 runs on a thread of its own (hashlib releases the GIL on large buffers), in
             # chunk order, so hashing overlaps the repack of the next chunk instead of adding to it.
-            h, n, pending = hashlib.sha256(), 0, deque()
-            with ThreadPoolExecutor(1) as hasher:
+            h, n = hashlib.sha256(), 0
+            with SerialWorker(HASH_AHEAD) as hasher:
                 for chunk in chunks_for(t):
-                    pending.append(hasher.submit(h.update, chunk))
-                    while len(pending) > HASH_AHEAD:
-                        pending.popleft().result()
+                    hasher.submit(h.update, chunk)
                     n += memoryview(chunk).nbytes
                     yield chunk
-                while pending:
-                    pending.popleft().result()
+                hasher.drain()
             self.digests.append(TensorDigest(t.name, t.ggml_type.name, n, h.hexdigest()))
         return hashed
 

@@ -9,15 +9,14 @@ and one expert matrix at a time are materialised.
 from __future__ import annotations
 
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .errors import CheckpointError
 from .mxfp4 import repack_to_ggml
+from .pipeline import ahead
 from .tensors import PlannedTensor
 
 Read = Callable[[str], tuple[str, np.ndarray]]
@@ -26,9 +25,6 @@ Chunks = Iterator[memoryview]  # flat uint8 views
 CHUNK_BYTES = 64 * 1024 * 1024
 # Experts repacked ahead of the writer: a real expert matrix is 5.8 MB, so a few dozen MB at most.
 REPACK_AHEAD = min(8, os.cpu_count() or 1)
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 # Source dtype -> the GGML type that holds its bytes unchanged.
 SAME_BYTES: dict[str, Q] = {"BF16": Q.BF16, "F16": Q.F16, "F32": Q.F32}
@@ -113,18 +109,6 @@ def kv_b_v(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
     dtype, a = read(_only(pt))
     per_head = a.reshape(heads, -1, lora)
     return _cast_chunks(dtype, per_head[:, per_head.shape[1] - v:, :], out)
-
-
-def ahead(fn: Callable[[T], R], items: Iterable[T], depth: int) -> Iterator[R]:
-    """fn(item) for each item, in order, with at most `depth` of them computed ahead on threads."""
-    with ThreadPoolExecutor(depth) as pool:
-        pending: deque[Future[R]] = deque()
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) == depth:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
 
 
 def _repack(pair: tuple[np.ndarray, np.ndarray]) -> np.ndarray:

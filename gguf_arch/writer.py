@@ -16,8 +16,6 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -28,6 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import WriterState
 
 from .errors import OutputError
+from .pipeline import SerialWorker
 
 KV = tuple[str, Any, GGUFValueType, "GGUFValueType | None"]
 
@@ -139,24 +138,16 @@ def _write_data(fout, layout: GGUFLayout, alignment: int, chunks_for: Callable[[
     The writes run on a thread of their own (a large write releases the GIL), so the next chunk is
     produced (repacked, hashed, faulted in from the shard) while the previous one is copied out.
     """
-    pending: deque[Future] = deque()
-
-    def put(data) -> None:
-        pending.append(writer.submit(fout.write, data))
-        while len(pending) > WRITE_AHEAD:
-            pending.popleft().result()
-
-    with ThreadPoolExecutor(1) as writer:
+    with SerialWorker(WRITE_AHEAD) as writer:
         for t in layout.tensors:
             written = 0
             for chunk in chunks_for(t):
-                put(chunk)
+                writer.submit(fout.write, chunk)
                 written += memoryview(chunk).nbytes
             if written != t.nbytes:
                 raise ValueError(f"{t.name}: produced {written} bytes, planned {t.nbytes}")
-            put(b"\0" * (-t.nbytes % alignment))
-        while pending:
-            pending.popleft().result()
+            writer.submit(fout.write, b"\0" * (-t.nbytes % alignment))
+        writer.drain()
 
 
 def _fsync_dir(directory: Path) -> None:

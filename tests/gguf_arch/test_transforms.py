@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gguf_arch import transforms
+from gguf_arch import pipeline, transforms
 from gguf_arch.errors import CheckpointError
 from gguf_arch.mxfp4 import BLOCK_BYTES
 from gguf_arch.safetensors_index import open_checkpoint
@@ -170,7 +170,7 @@ def test_ahead_keeps_order_and_bounds_the_work_in_flight():
         return i * i
 
     consumed = []
-    for result in transforms.ahead(work, range(30), 3):
+    for result in pipeline.ahead(work, range(30), 3):
         consumed.append(result)
         assert len(running) <= 3
     assert consumed == [i * i for i in range(30)] and most[0] <= 3
