@@ -37,10 +37,6 @@ class Progress:
             except OSError as exc:
                 raise OutputError(f"{log_json}: cannot write the JSON progress log: {exc.strerror}") from None
 
-    @classmethod
-    def for_terminal(cls, total_bytes: int, quiet: bool, log_json: Path | None = None) -> "Progress":
-        return cls(total_bytes, bar=not quiet and sys.stderr.isatty(), log_json=log_json)
-
     def track(self, path: Path, layout: GGUFLayout, chunks_for: ChunksFor) -> tuple[ChunksFor, Callable[[], None]]:
         """Wrap one file's `chunks_for` to count its bytes; returns (wrapped, close the file's bar)."""
         file_total = sum(t.nbytes for t in layout.tensors)

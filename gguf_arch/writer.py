@@ -118,10 +118,9 @@ def header_bytes(layout: GGUFLayout) -> bytes:
     return buf.getvalue()
 
 
-def file_size(layout: GGUFLayout, header: bytes | None = None) -> int:
+def file_size(layout: GGUFLayout) -> int:
     """Exact size of the file `write_gguf` writes for `layout`."""
-    header = header_bytes(layout) if header is None else header
-    return len(header) + sum(padded(t.nbytes) for t in layout.tensors)
+    return len(header_bytes(layout)) + sum(padded(t.nbytes) for t in layout.tensors)
 
 
 def _pad(fout, alignment: int) -> None:
