@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +30,7 @@ from gguf_arch import keys as K
 from gguf_arch.config import IndexerConfig, K3Config, KDAConfig
 from gguf_arch.errors import GGUFError
 from gguf_arch.gguf_file import open_gguf
+from gguf_arch.split import part_paths
 from gguf_arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
@@ -45,8 +45,6 @@ SOURCE_TYPES = frozenset(WRITABLE_TYPES) | {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6
 _ALLOWED_TYPES = {OUT_SOURCE: SOURCE_TYPES, OUT_F32: frozenset({Q.F32}),
                   OUT_MXFP4: frozenset({Q.MXFP4, *EXPERT_TYPES})}
 
-_SPLIT_COUNT = "split.count"
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 _TOKENIZER_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
                   "eos_token_id": "tokenizer.ggml.eos_token_id",
                   "pad_token_id": "tokenizer.ggml.padding_token_id"}
@@ -216,19 +214,6 @@ _cpu_buffer_from_ptr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes
     ctypes.cast(ggml.lib.ggml_backend_cpu_buffer_from_ptr, ctypes.c_void_p).value)
 
 
-def split_paths(path: Path, reader: GGUFReader) -> list[Path]:
-    """The files of a split GGUF (llama.cpp's `-00001-of-00003.gguf` naming), or just `path`."""
-    f = reader.fields.get(_SPLIT_COUNT)
-    count = f.contents() if f is not None else 1
-    if count == 1:
-        return [path]
-    m = _SPLIT_NAME.match(path.name)
-    if m is None or int(m["i"]) != 1 or int(m["n"]) != count:
-        raise GGUFError(f"{path}: {_SPLIT_COUNT} is {count}, but the name is not the first file "
-                        f"'<prefix>-00001-of-{count:05d}.gguf'")
-    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-
-
 @dataclass
 class _MappedFile:
     """One memory-mapped GGUF file wrapped as a read-only ggml CPU buffer."""
@@ -329,7 +314,7 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
     repack: copy the routed experts into ggml's repacked layout (module docstring)."""
     path = Path(path)
     first = open_gguf(path)
-    paths = split_paths(path, first)
+    paths = part_paths(path, first)
     readers = [first] + [open_gguf(p) for p in paths[1:]]
     meta = read_metadata(readers)
     cfg = config_from_metadata(meta, str(path))

@@ -22,14 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
-from gguf.constants import Keys
 
 from .diff import MISSING, iter_tensor_diffs
 from .gguf_file import open_gguf
@@ -37,12 +35,11 @@ from .errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError
 from .jsonfile import read_json
 from .pipeline import SerialWorker
 from .safetensors_index import open_checkpoint
-from .split import part_path
+from .split import part_paths
 
 MANIFEST_FORMAT = "kimi-k3-gguf-sha256/1"
 _READ_BYTES = 16 << 20
 _HEX = frozenset("0123456789abcdef")
-_FIRST_PART = re.compile(r"(?P<stem>.*)-00001-of-(?P<count>\d{5})\.gguf")
 
 
 class IntegrityError(KimiError):
@@ -184,20 +181,6 @@ def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
             raise IntegrityError(f"{gguf}: tensor {name}: SHA-256 differs from the manifest (corrupted bytes)")
 
 
-def gguf_parts(gguf: Path) -> list[Path]:
-    """The files of a conversion: `gguf` itself, or every part of a split given its first part."""
-    field = open_gguf(gguf).fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
-    count = int(field.contents()) if field is not None else 1
-    if count <= 1:
-        return [gguf]
-    m = _FIRST_PART.fullmatch(gguf.name)
-    if m is None or int(m["count"]) != count:
-        raise GGUFError(f"{gguf}: part of a {count}-part split; give the first part, "
-                        f"'<name>-00001-of-{count:05d}.gguf'")
-    out = gguf.with_name(m["stem"] + ".gguf")
-    return [part_path(out, no, count) for no in range(1, count + 1)]
-
-
 def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] = print) -> None:
     """Stored digests first, then every tensor recomputed from the checkpoint; raise at the first difference.
 
@@ -213,7 +196,7 @@ def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] =
         raise GGUFError(f"{gguf}: not found (expected the converted GGUF file)")
     manifests = {gguf: read_manifest(gguf)}
     check_hashes(gguf, manifests[gguf])  # before anything else parses the file
-    for part in gguf_parts(gguf)[1:]:
+    for part in part_paths(gguf, open_gguf(gguf))[1:]:
         if not part.is_file():
             raise GGUFError(f"{part}: not found (a part of the split {gguf})")
         manifests[part] = read_manifest(part)

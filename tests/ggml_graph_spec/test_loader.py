@@ -73,6 +73,16 @@ def test_split_gguf_loads_all_parts(tmp_path, k3_tiny_gguf):
         split.close()
     parts[1].unlink()
     _one_line_error(parts[0], "split-00002-of-00003.gguf", "not found")
+    _one_line_error(parts[2], "part of a 3-part split", "give the first part")
+
+
+def test_split_count_zero_is_one_file_as_llama_gguf_split_merge_leaves_it(k3_tiny_gguf, tmp_path):
+    merged = rewritten_copy(k3_tiny_gguf, tmp_path / "merged.gguf", keys={"split.count": (0, GGUFValueType.UINT16)})
+    weights = load_gguf(merged)
+    try:
+        assert len({f.reader.data.filename for f in weights._files}) == 1
+    finally:
+        weights.close()
 
 
 def _one_line_error(path: Path, *fragments: str) -> str:
