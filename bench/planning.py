@@ -1,6 +1,6 @@
 """Planning benchmark: the work done before (or instead of) moving tensor bytes, at real size.
 
-    python bench/planning.py [--reference ../shared/reference]
+    python bench/planning.py [--reference tests/fixtures/reference]
 
 Each operation is timed next to a named baseline measured in the same run: the parse or load that
 the operation cannot avoid, so the ratio says how much the project's own work adds to it.
@@ -103,7 +103,7 @@ def _header_file(work: Path, n: int = 100_000) -> tuple[Path, bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reference", type=Path, default=REPO / ".." / "shared" / "reference",
+    p.add_argument("--reference", type=Path, default=REPO / "tests" / "fixtures" / "reference",
                    help="folder with kimi-k3-config.json and kimi-k3-model.safetensors.index.json.gz")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "planning.json")

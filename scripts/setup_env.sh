@@ -16,7 +16,7 @@ if [ ! -f "$STAMP" ]; then
     # (bench/graph.py). pip keys its wheel cache on the sdist, not on CMAKE_ARGS, so this one
     # package is built outside the cache: a cached build without llamafile is never reused.
     GGML_PYTHON="$(grep -Eo 'ggml-python==[0-9.]+' "$ROOT/setup.cfg")"
-    CMAKE_ARGS="-DGGML_LLAMAFILE=ON" "$VPY" -m pip install -q --disable-pip-version-check \
+    CMAKE_ARGS="-DGGML_LLAMAFILE=ON -DGGML_RPC=ON" "$VPY" -m pip install -q --disable-pip-version-check \
         --no-cache-dir --no-binary ggml-python --force-reinstall --no-deps "$GGML_PYTHON"
     # torch==2.13.0 is pinned in the test extra: that version installs the CPU build from local disk.
     "$VPY" -m pip install -q --disable-pip-version-check -e "$ROOT[test,interop]"

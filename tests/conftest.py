@@ -1,4 +1,4 @@
-"""Shared fixtures: paths to ../shared and the fixtures converted once per session."""
+"""Session fixtures: the reference checkpoints in tests/fixtures/ and their conversions (made once)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,15 +7,12 @@ import pytest
 
 from gguf_arch.convert import convert
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO / ".." / "shared"
-FIXTURES = SHARED / "fixtures"
-REFERENCE = SHARED / "reference"
+from tests.support.paths import FIXTURES, K3_TINY, K31PRO_TINY, REFERENCE
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    return SHARED
+def fixtures_dir() -> Path:
+    return FIXTURES
 
 
 @pytest.fixture(scope="session")
@@ -25,12 +22,12 @@ def reference_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def k3_tiny_dir() -> Path:
-    return FIXTURES / "k3-tiny"
+    return K3_TINY
 
 
 @pytest.fixture(scope="session")
 def k31pro_tiny_dir() -> Path:
-    return FIXTURES / "k31pro-tiny"
+    return K31PRO_TINY
 
 
 def _converted(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:

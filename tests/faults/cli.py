@@ -8,9 +8,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from tests.support.paths import FIXTURES
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / ".." / "shared" / "fixtures"
 
 
 @dataclass

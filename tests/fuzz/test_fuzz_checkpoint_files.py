@@ -20,8 +20,8 @@ from gguf_arch.tensors import plan_tensors
 from gguf_arch.tokenizer import read_ranks, read_special_tokens, tokenizer_metadata
 
 from .harness import FUZZ, assert_clean, corpus_files
+from tests.support.paths import K3_TINY as FIXTURE
 
-FIXTURE = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "k3-tiny"
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
                     max_leaves=10)

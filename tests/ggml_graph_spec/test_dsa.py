@@ -14,8 +14,8 @@ from ggml_graph_spec import dsa, mla
 from tests.ggml_graph_spec import attn_reference as ref
 from ggml_graph_spec.graph import causal_mask
 from tests.ggml_graph_spec.attn_graph import AttnGraph
+from tests.support.paths import K31PRO_TINY as FIXTURE
 
-FIXTURE = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "k31pro-tiny"
 N_CTX = 16
 EXACT_TOL = 1e-5  # F32 graph vs float64 reference, O(1) values (as in test_mla)
 

@@ -11,8 +11,8 @@ from ggml_graph_spec import mla
 from tests.ggml_graph_spec import attn_reference as ref
 from ggml_graph_spec.graph import causal_mask
 from tests.ggml_graph_spec.attn_graph import AttnGraph
+from tests.support.paths import K31PRO_TINY as FIXTURE
 
-FIXTURE = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "k31pro-tiny"
 N_CTX = 16
 
 # Exact path: F32 everywhere, so only summation order separates it from the float64 reference

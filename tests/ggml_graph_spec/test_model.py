@@ -1,4 +1,4 @@
-"""The ggml graph against Moonshot's reference outputs (../shared/fixtures/*/reference.npz).
+"""The ggml graph against Moonshot's reference outputs (tests/fixtures/*/reference.npz).
 
 Tolerances (fixture README, "Observed tolerances"): equally valid fp32 implementations of these
 random models differ by ~1e-4 on the logits (reference vs a float64 run: 9.25e-5; chunked vs

@@ -17,8 +17,8 @@ from gguf_arch.errors import GGUFError
 from gguf_arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges, tokenizer_metadata
 from ggml_graph_spec.tokenizer import BPETokenizer
 from tests.gguf_arch.synthetic_bpe import multilingual_corpus, train_bpe
+from tests.support.paths import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
 K3_TINY = FIXTURES / "k3-tiny"
 
 MULTILINGUAL = (

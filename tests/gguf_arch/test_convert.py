@@ -27,6 +27,7 @@ from gguf_arch.tensors import OUT_SOURCE, plan_tensors
 from tests.faults.cli import peak_rss_kib
 
 from .checkpoint_edit import EditableCheckpoint, as_f32, source_array
+from tests.support.paths import K31PRO_TINY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -158,7 +159,7 @@ def test_ledger_counts(k3_tiny_dir, k31pro_tiny_dir):
 
 
 def test_output_type_is_decided_in_one_place():
-    cfg = load_config(REPO / ".." / "shared" / "fixtures" / "k31pro-tiny")
+    cfg = load_config(K31PRO_TINY)
     by_name = {pt.name: pt for pt in plan_tensors(cfg)}
     assert output_type(by_name["blk.3.attn_q_b.weight"], "BF16") == Q.BF16
     assert output_type(by_name["blk.3.attn_q_b.weight"], "F16") == Q.F16

@@ -32,9 +32,9 @@ from gguf_arch.synth_config import LARGE, SPECIAL_OFFSETS, TINY
 from gguf_arch.synth_tokenizer import ranks_for_vocab
 from gguf_arch.synth_weights import ROW_INIT, mxfp4_scale_range, to_bf16
 from gguf_arch.tensors import SKIP_PREFIXES, TEXT_PREFIX, plan_tensors, specs_by_gguf_template
+from tests.support.paths import FIXTURES
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / ".." / "shared" / "fixtures"
 FIXTURE_OF = {"k3": "k3-tiny", "k31pro": "k31pro-tiny"}
 # Other sizes than the presets, to show that every dimension flows through the table.
 ODD_DIMS = {**TINY, "layers": 6, "hidden": 96, "experts": 5, "experts-per-token": 3, "moe-intermediate": 64,

@@ -17,8 +17,8 @@ from gguf_arch.errors import TokenizerError
 from gguf_arch.tokenizer import (byte_to_unicode, bytes_to_token_text, read_ranks, recover_merges,
                                  tokenizer_metadata)
 from tests.gguf_arch.synthetic_bpe import multilingual_corpus, train_bpe
+from tests.support.paths import K3_TINY as FIXTURE
 
-FIXTURE = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "k3-tiny"
 N_RANKS = 656  # fixture README: 256 bytes + 400 merges
 
 

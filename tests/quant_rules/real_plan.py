@@ -5,8 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from tests.support.paths import REFERENCE
 
-REFERENCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference"
 INDEXER_TENSORS = ("wq_b.weight", "wk.weight", "k_norm.weight", "weights_proj.weight")
 
 

@@ -31,8 +31,8 @@ def test_every_stored_dtype_is_accepted():
 
 
 @pytest.mark.parametrize("fixture", ["k3-tiny", "k31pro-tiny"])
-def test_stored_dtypes_are_the_fixtures_dtypes(fixture, shared_dir):
-    model = shared_dir / "fixtures" / fixture
+def test_stored_dtypes_are_the_fixtures_dtypes(fixture, fixtures_dir):
+    model = fixtures_dir / fixture
     cfg = load_config(model)
     with open_checkpoint(model) as ckpt:
         metas = ckpt.metas

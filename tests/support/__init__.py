@@ -1,0 +1,1 @@
+"""Helpers shared by the test folders (paths to the fixtures the repository carries)."""

@@ -1,0 +1,14 @@
+"""Where the tests find their data: everything lives inside the repository (tests/fixtures/).
+
+A user's clone has nothing beside it, so no test reads a path outside the repository
+(tests/test_self_contained.py checks that no file spells one).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
+K3_TINY = FIXTURES / "k3-tiny"
+K31PRO_TINY = FIXTURES / "k31pro-tiny"
+REFERENCE = FIXTURES / "reference"
