@@ -12,10 +12,6 @@ import numpy as np
 
 from .graph import I32, GraphBuild
 
-# fla's q/k pre-processing in chunk_kda / fused_recurrent_kda: x / sqrt(sum(x^2) + 1e-6)
-# (fixture README; the q/k L2-norm eps is one of the traps the fixture discriminates).
-KDA_L2_EPS = 1e-6
-
 
 # ---- D.1 RMSNorm, D.5 SiTU ---------------------------------------------------------------------
 
@@ -35,8 +31,12 @@ def situ_mlp(g: GraphBuild, x, w_gate, w_up, w_down):
 # ---- D.2 KDA ----------------------------------------------------------------------------------
 
 def _l2_norm_heads(g: GraphBuild, x, head_dim: int):
-    """x / sqrt(sum(x^2) + 1e-6) per head, as rms_norm(x, eps/d) / sqrt(d) (same value exactly)."""
-    return ggml.ggml_scale(g.ctx, ggml.ggml_rms_norm(g.ctx, x, KDA_L2_EPS / head_dim), head_dim ** -0.5)
+    """x / sqrt(sum(x^2) + eps) per head, as rms_norm(x, eps/d) / sqrt(d) (same value exactly).
+
+    eps: g.qk_latent_eps (the reference's 1e-6, fla's q/k pre-processing in chunk_kda /
+    fused_recurrent_kda, is one of the traps the fixture discriminates)."""
+    eps = g.qk_latent_eps
+    return ggml.ggml_scale(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps / head_dim), head_dim ** -0.5)
 
 
 def _short_conv(g: GraphBuild, w, which: str, u):
@@ -114,9 +114,13 @@ def attn_res(g: GraphBuild, p, bank: ResidualBank, score):
     c = g.ctx
     values = bank.values + [p]
     keys = bank.keys + [ggml.ggml_rms_norm(c, p, g.cfg.rms_norm_eps)]
-    logits = ggml.ggml_mul_mat(c, score, keys[0])  # [1, T] per candidate
-    for key in keys[1:]:
-        logits = ggml.ggml_concat(c, logits, ggml.ggml_mul_mat(c, score, key), 0)
+    # key . score as llama.cpp computes it, a mul and a sum_rows (which sums in double): a
+    # mul_mat sums in another order, and the last bit it changes in the mix is enough to flip
+    # activations across a BF16 rounding step in the next matmul.
+    logits = None
+    for key in keys:
+        s = ggml.ggml_sum_rows(c, ggml.ggml_mul(c, key, score))  # [1, T] per candidate
+        logits = s if logits is None else ggml.ggml_concat(c, logits, s, 0)
     probs = ggml.ggml_soft_max(c, logits)  # [n_candidates, T]
     row = probs.contents.nb[1]
     mix = None

@@ -14,16 +14,13 @@ Two attention kernels share everything else:
 from __future__ import annotations
 
 import ggml
+import numpy as np
 
 from . import dsa
 from .graph import GraphBuild
 from .loader import LayerWeights
 
 Tensor = ggml.ggml_tensor_p
-
-# Moonshot's q_a_layernorm / kv_a_layernorm are built without eps and use the class default;
-# llama.cpp uses the model's rms_norm_eps here instead.
-LATENT_NORM_EPS = 1e-6
 
 _F16 = ggml.GGML_TYPE_F16
 
@@ -34,7 +31,7 @@ GATHER_CHUNK_BYTES = 64 << 20
 
 def q_lora_latent(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """cq = rmsnorm(attn_q_a x), [q_lora, T]: the MLA queries and the DSA indexer queries read it."""
-    return g.rms_norm(g.mm(w("attn_q_a.weight"), x), w("attn_q_a_norm.weight"), LATENT_NORM_EPS)
+    return g.rms_norm(g.mm(w("attn_q_a.weight"), x), w("attn_q_a_norm.weight"), g.qk_latent_eps)
 
 
 def absorbed_query(g: GraphBuild, w: LayerWeights, cq: Tensor) -> Tensor:
@@ -61,7 +58,7 @@ def latent_row(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     f = ggml.ggml_element_size(kv)
     lat = ggml.ggml_view_2d(ctx, kv, c.kv_lora_rank, T, kv.contents.nb[1], 0)
     k_pe = ggml.ggml_view_2d(ctx, kv, c.qk_rope_head_dim, T, kv.contents.nb[1], c.kv_lora_rank * f)
-    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w("attn_kv_a_norm.weight"), LATENT_NORM_EPS)
+    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w("attn_kv_a_norm.weight"), g.qk_latent_eps)
     return ggml.ggml_concat(ctx, lat, ggml.ggml_cont(ctx, k_pe), 0)
 
 
@@ -164,7 +161,9 @@ def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     kv = g.store(g.cache.mla_latent(w.layer), latent_row(g, w, x))  # [kv_lora + rope, n_kv]
     top_k = g.dsa_top_k(w.layer)
     mask = g.kq_mask if top_k is None else dsa.build_dsa_mask(g, w, x, cq, top_k)
-    scale = c.qk_head_dim ** -0.5  # the full nope + rope head dim, not the absorbed length
+    # The full nope + rope head dim, not the absorbed length; 1/sqrt in F32 as llama.cpp computes
+    # it (1 ulp off the correctly rounded value for some dims, 24 in the fixtures).
+    scale = float(np.float32(1) / np.sqrt(np.float32(c.qk_head_dim)))
     if top_k is not None and g.dsa_path == "gather" and top_k < g.n_kv:
         o_lat = attend_gathered(g, q, kv, mask, top_k, scale)
     else:  # dense, masked DSA, or a selection that is the whole visible context anyway
