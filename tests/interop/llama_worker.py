@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import pickle
 import sys
+from pathlib import Path
 
 import llama_cpp
 import llama_cpp._ggml  # llama-cpp-python's ctypes handle on its own ggml
@@ -84,6 +85,7 @@ def named_outputs(llm, ids: list[int], names: list[str]) -> dict[str, np.ndarray
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = cp.n_batch = cp.n_ubatch = max(32, len(ids))
     cp.n_threads = cp.n_threads_batch = llm.n_threads
+    cp.flash_attn_type = llm.context_params.flash_attn_type  # the Llama's setting, not the default
     cp.cb_eval = callback
     ctx = llama_cpp.llama_init_from_model(llm.model, cp)
     try:
@@ -95,7 +97,13 @@ def named_outputs(llm, ids: list[int], names: list[str]) -> dict[str, np.ndarray
     return got
 
 
-CALLS = {f.__name__: f for f in (logits, greedy, tokenize, detokenize, metadata, named_outputs)}
+def cpu_features(_llm, names: list[str]) -> dict[str, int]:
+    """ggml_cpu_has_<name>() of llama.cpp's own ggml CPU backend, for each name."""
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).with_name("lib") / "libggml-cpu.so"))
+    return {name: getattr(lib, f"ggml_cpu_has_{name}")() for name in names}
+
+
+CALLS = {f.__name__: f for f in (logits, greedy, tokenize, detokenize, metadata, named_outputs, cpu_features)}
 
 
 def main(request_path: str, result_path: str) -> None:
