@@ -43,8 +43,10 @@ def absorbed_query(g: GraphBuild, w: LayerWeights, cq: Tensor) -> Tensor:
     q_nope = ggml.ggml_view_3d(ctx, q, c.qk_nope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2], 0)
     q_pe = ggml.ggml_view_3d(ctx, q, c.qk_rope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2],
                              c.qk_nope_head_dim * f)
-    # Heads become the batch dim so attn_k_b [nope, kv_lora, H] multiplies each head's query.
-    q_nope = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [nope, T, H]
+    # Heads become the batch dim so attn_k_b [nope, kv_lora, H] multiplies each head's query. The
+    # permuted view goes in as is, as in llama.cpp: for an F32 weight ggml then takes its
+    # non-contiguous matmul path, whose summation order differs from the contiguous one's.
+    q_nope = ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3)  # [nope, T, H]
     q_lat = g.mm(w("attn_k_b.weight"), q_nope)  # [kv_lora, T, H]
     q_pe = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_pe, 0, 2, 1, 3))  # [rope, T, H]
     return ggml.ggml_concat(ctx, q_lat, q_pe, 0)
@@ -81,7 +83,8 @@ def attend_flash(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: floa
     mask -> [kv_lora, T, H]."""
     ctx = g.ctx
     o = ggml.ggml_flash_attn_ext(ctx, q, kv, _value_view(g, kv), ggml.ggml_cast(ctx, mask, _F16), scale, 0.0, 0.0)
-    return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
+    # A view, not a copy, for attn_v_b's matmul (as in llama.cpp; see absorbed_query).
+    return ggml.ggml_permute(ctx, o, 0, 2, 1, 3)  # [kv_lora, H, T] -> [kv_lora, T, H]
 
 
 def _gathered_rows(g: GraphBuild, kv: Tensor, sel: Tensor) -> Tensor:

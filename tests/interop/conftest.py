@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import convert_kimi_k3
+import ggml
 
 WORKER = Path(__file__).with_name("llama_worker.py")
 GGML_TYPE_F32 = 0  # ggml.h enum ggml_type; type_k / type_v of a llama.cpp context
@@ -54,6 +55,25 @@ def llama_run(model: Path, calls: list[tuple], tmp_path: Path, **params: Any) ->
     assert r.returncode == 0, f"llama worker exited with {r.returncode}: {r.stderr[-2000:]}"
     out = pickle.loads(result.read_bytes())
     return LoadFailure(out["load_error"], out["log_errors"]) if isinstance(out, dict) else out
+
+
+# What ggml's CPU kernels are compiled for: the last bit of an op's result depends on it.
+CPU_FEATURES = ("avx", "avx2", "fma", "f16c", "bmi2", "avx512", "avx512_vbmi", "avx512_vnni", "avx512_bf16",
+                "llamafile")
+
+
+@pytest.fixture(scope="session")
+def feature_mismatch(k3_tiny_gguf, tmp_path_factory) -> str:
+    """'' when ggml-python's and llama.cpp's ggml report the same CPU_FEATURES, else what differs."""
+    [theirs] = llama_run(k3_tiny_gguf, [("cpu_features", list(CPU_FEATURES))], tmp_path_factory.mktemp("llama"))
+    ours = {name: getattr(ggml, f"ggml_cpu_has_{name}")() for name in CPU_FEATURES}
+    return "; ".join(f"{n}: ggml-python {ours[n]}, llama.cpp {theirs[n]}" for n in CPU_FEATURES if ours[n] != theirs[n])
+
+
+def assert_same_kernels(feature_mismatch: str) -> None:
+    """Bit equality with llama.cpp is a claim about two builds of the same kernels."""
+    assert not feature_mismatch, (f"the two ggml builds target different CPU features ({feature_mismatch}), so their "
+                                  "kernels differ in the last bit; equality needs both built for the same CPU")
 
 
 def _convert(tmp_path_factory, model_dir: Path, name: str, *flags: str) -> Path:

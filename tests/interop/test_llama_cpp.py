@@ -6,14 +6,13 @@ Tolerances are relative to the largest |logit| of the compared run. The numbers 
 """
 from __future__ import annotations
 
-import ggml
 import numpy as np
 import pytest
 
 from ggml_graph_spec.model import Model
 from tests.gguf_arch.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
 
-from .conftest import GGML_TYPE_F32, LoadFailure, llama_run, requires_llama_cpp
+from .conftest import GGML_TYPE_F32, LoadFailure, assert_same_kernels, llama_run, requires_llama_cpp
 
 pytestmark = requires_llama_cpp
 
@@ -158,26 +157,8 @@ def test_f32_gguf_with_llama_cpp_defaults_is_close_to_the_reference(tmp_path, k3
 # Before this, layer 0 differed by 8e-5 relative on AVX512-BF16 (the eps moved q/k by ~4e-6,
 # enough to flip activations across a BF16 rounding step in the following matmuls).
 
-CPU_FEATURES = ("avx", "avx2", "fma", "f16c", "bmi2", "avx512", "avx512_vbmi", "avx512_vnni", "avx512_bf16",
-                "llamafile")
-
-
-@pytest.fixture(scope="module")
-def feature_mismatch(k3_tiny_gguf, tmp_path_factory) -> str:
-    """'' when both ggml builds report the same CPU_FEATURES, else what differs."""
-    [theirs] = llama_run(k3_tiny_gguf, [("cpu_features", list(CPU_FEATURES))], tmp_path_factory.mktemp("llama"))
-    ours = {name: getattr(ggml, f"ggml_cpu_has_{name}")() for name in CPU_FEATURES}
-    diff = [f"{n}: ggml-python {ours[n]}, llama.cpp {theirs[n]}" for n in CPU_FEATURES if ours[n] != theirs[n]]
-    return "; ".join(diff)
-
-
-def _same_kernels(feature_mismatch: str) -> None:
-    assert not feature_mismatch, (f"the two ggml builds target different CPU features ({feature_mismatch}), so their "
-                                  "kernels differ in the last bit; equality needs both built for the same CPU")
-
-
 def test_fast_path_equals_llama_cpp_with_flash_attention(llama_mxfp4_flash, ours_fast, feature_mismatch):
-    _same_kernels(feature_mismatch)
+    assert_same_kernels(feature_mismatch)
     for prompt in PROMPTS:
         assert np.array_equal(ours_fast[prompt], llama_mxfp4_flash[prompt]), (
             prompt, _rel(ours_fast[prompt], llama_mxfp4_flash[prompt]))
@@ -189,7 +170,7 @@ def test_fast_path_equals_llama_cpp_layer_by_layer(tmp_path, k3_tiny_gguf, k3_re
     # The partial sum P after every layer, read through llama.cpp's eval callback ("l_out-N"): a
     # failure names the first layer that differs. 96 tokens (the long prompt) take ggml's tiled
     # flash-attention kernel, 12 its one-row one.
-    _same_kernels(feature_mismatch)
+    assert_same_kernels(feature_mismatch)
     ids = _ids(k3_ref, prompt)
     m = Model.load(k3_tiny_gguf, n_ctx=128, n_threads=2)
     try:
