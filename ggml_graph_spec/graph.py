@@ -153,12 +153,11 @@ class GraphBuild:
 
     @property
     def qk_latent_eps(self) -> float:
-        """The eps of the KDA q/k L2 norm and the MLA latent norms: the reference's on the exact
-        path, llama.cpp's (rms_norm_eps) on the fast one. The fast path is there to give the numbers
-        llama.cpp gives for the same GGUF, and this is the one place its graph computes another
-        function: 1e-5 against 1e-6 moves q/k by ~4e-6 relative, which is enough to flip some
-        activations across a BF16 rounding step in the next matmul (measured in layer 0 of k3-tiny:
-        8e-5 relative after one dense layer instead of bit-identical)."""
+        """The eps of the KDA q/k L2 norm and the MLA latent norms: the reference's (1e-6) on the
+        exact path, llama.cpp's (rms_norm_eps) on the fast one, which is there to give the numbers
+        llama.cpp gives for the same GGUF. 1e-5 against 1e-6 moves q/k by ~4e-6 relative: enough
+        to flip activations across a BF16 rounding step in the next matmul (k3-tiny, layer 0:
+        8e-5 relative instead of equal)."""
         return REFERENCE_QK_LATENT_EPS if self.exact else self.cfg.rms_norm_eps
 
     def rms_norm(self, x, weight, eps: float):
