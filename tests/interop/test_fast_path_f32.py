@@ -14,7 +14,7 @@ import pytest
 
 from ggml_graph_spec.model import Model
 
-from .conftest import assert_same_kernels, llama_run, requires_llama_cpp
+from .conftest import llama_run, requires_llama_cpp
 from .test_llama_cpp import PROMPTS, _ids, _rel
 
 pytestmark = requires_llama_cpp
@@ -26,8 +26,8 @@ def k3_ref(k3_tiny_dir):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_fast_path_on_f32_gguf_equals_llama_cpp(k3_f32_gguf, k3_ref, tmp_path, feature_mismatch, prompt):
-    assert_same_kernels(feature_mismatch)
+def test_fast_path_on_f32_gguf_equals_llama_cpp(k3_f32_gguf, k3_ref, tmp_path, llama_kernels, prompt):
+    llama_kernels.skip_unless_same()
     ids = _ids(k3_ref, prompt)
     [theirs] = llama_run(k3_f32_gguf, [("logits", ids)], tmp_path, flash_attn=True)
     m = Model.load(k3_f32_gguf, n_ctx=128, n_threads=2)
