@@ -18,10 +18,10 @@ from typing import Any, Sequence, TextIO
 import ggml
 import numpy as np
 
-from gguf_arch import keys as K
-from gguf_arch.config import K3Config
+from gguf_arch.arch import keys as K
+from gguf_arch.arch.config import K3Config
 from gguf_arch.errors import KimiError, run_cli
-from gguf_arch.tensors import plan_tensors
+from gguf_arch.arch.tensors import plan_tensors
 
 from .loader import GGUFWeights, config_from_metadata, load_gguf
 from .graph import DSA_PATHS

@@ -2,8 +2,8 @@
 
 Everything a ggml op could trip over is checked here first, with one-line `GGUFError`s: a ggml
 assert aborts the process, so it must never see a file we have not validated. The checks read
-the project's tables: the keys through `gguf_arch.keys.model_keys` and the tensors through
-`gguf_arch.tensors.plan_tensors`, so this module spells no key or tensor name of its own.
+the project's tables: the keys through `gguf_arch.arch.keys.model_keys` and the tensors through
+`gguf_arch.arch.tensors.plan_tensors`, so this module spells no key or tensor name of its own.
 
 Zero copy: gguf-py memory-maps the file (np.memmap, read-only). The mapping is page aligned and
 every tensor offset is a multiple of the file's alignment, so the whole mapping is wrapped as one
@@ -26,12 +26,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 
-from gguf_arch import keys as K
-from gguf_arch.config import IndexerConfig, K3Config, KDAConfig
+from gguf_arch.arch import keys as K
+from gguf_arch.arch.config import IndexerConfig, K3Config, KDAConfig
 from gguf_arch.errors import GGUFError
-from gguf_arch.gguf_file import open_gguf
-from gguf_arch.split import part_paths
-from gguf_arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
+from gguf_arch.io.gguf_file import open_gguf
+from gguf_arch.io.split import part_paths
+from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
 from .repack import Repacked, Source, repack_experts
@@ -275,7 +275,7 @@ class GGUFWeights:
 
 
 class LayerWeights:
-    """`w(suffix)` is the ggml tensor of `blk.{layer}.{suffix}`, names as in gguf_arch.tensors."""
+    """`w(suffix)` is the ggml tensor of `blk.{layer}.{suffix}`, names as in gguf_arch.arch.tensors."""
 
     def __init__(self, cfg: K3Config, layer: int, tensors: Mapping[str, Any]):
         self.cfg = cfg

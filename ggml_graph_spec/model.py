@@ -21,11 +21,14 @@ import numpy as np
 
 from gguf_arch.errors import KimiError
 
-from .blocks import ResidualBank, attn_res, build_dense_ffn, build_kda, build_moe
+from .blocks.attn_res import ResidualBank, attn_res
+from .blocks.ffn import build_dense_ffn
+from .blocks.kda import build_kda
+from .blocks.mla import build_mla
+from .blocks.moe import build_moe
 from .cache import SequenceCache
 from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
-from .mla import build_mla
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py (attention kernel 0.41-0.96x of masked on the fast path, 0.07-0.21x

@@ -47,7 +47,7 @@ class QuantRuleError(KimiError):
 WRITABLE_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_1, Q.Q5_0, Q.Q4_1, Q.Q4_0, Q.MXFP4)
 OUTTYPES: dict[str, Q | None] = {"auto": None, "f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
 # Experts are only ever widened or moved to 8 bits; another 4-bit format would lose accuracy
-# and not save space (see quant_rules.cli_options.requantize_warning).
+# and not save space (see quant_rules.options.requantize_warning).
 EXPERT_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
 
 _DATA = "protected.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_graph_spec import mla
+from ggml_graph_spec.blocks import mla
 from ggml_graph_spec.model import EvalError, Model
 
 from .test_f32_experts import k31pro_f32_gguf  # noqa: F401 (fixture)

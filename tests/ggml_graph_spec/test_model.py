@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gguf_arch.convert import convert
+from gguf_arch.convert.run import convert
 from ggml_graph_spec.model import EvalError, Model
 from quant_rules.rules import QuantOptions
 

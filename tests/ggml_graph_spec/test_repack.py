@@ -14,7 +14,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from ggml_graph_spec.model import EvalError, Model
-from tests.gguf_arch.gguf_edit import rewritten_copy
+from tests.support.gguf_edit import rewritten_copy
 
 from .test_model import N_CTX, _reference
 

@@ -12,11 +12,11 @@ from gguf import GGUFWriter, TokenType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gguf_arch.config import load_config
+from gguf_arch.arch.config import load_config
 from gguf_arch.errors import GGUFError
-from gguf_arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges, tokenizer_metadata
+from gguf_arch.arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges, tokenizer_metadata
 from ggml_graph_spec.tokenizer import BPETokenizer
-from tests.gguf_arch.synthetic_bpe import multilingual_corpus, train_bpe
+from tests.support.bpe import multilingual_corpus, train_bpe
 from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"

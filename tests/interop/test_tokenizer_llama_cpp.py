@@ -5,10 +5,10 @@ import pytest
 import tiktoken
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 
-from gguf_arch.keys import ARCH
-from gguf_arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges
+from gguf_arch.arch.keys import ARCH
+from gguf_arch.arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges
 from ggml_graph_spec.tokenizer import BPETokenizer
-from tests.gguf_arch.synthetic_bpe import multilingual_corpus, train_bpe
+from tests.support.bpe import multilingual_corpus, train_bpe
 from tests.ggml_graph_spec.test_tokenizer import MULTILINGUAL, fixture_encoding
 
 from .conftest import llama_run, requires_llama_cpp
