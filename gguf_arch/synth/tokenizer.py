@@ -1,18 +1,21 @@
 """Tokenizer files of a synthetic checkpoint: `tiktoken.model` and `tokenizer_config.json`.
 
 The ranks are the 256 single bytes followed by byte-pair merges learned from a short English
-text, so they form a real BPE vocabulary: every merged token, encoded with the lower ranks only,
+text by the project's one BPE trainer (`train_bpe`, which the tests' vocabularies use too), so
+they form a real BPE vocabulary: every merged token, encoded with the lower ranks only,
 splits into exactly two tokens (what a tiktoken reader relies on to recover merges). The
 256-slot special-token block follows the ranks, with Kimi K3's offsets.
 """
 from __future__ import annotations
 
 import base64
+import heapq
 import json
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, Iterable
 
 from ..errors import ConfigError
 from .config import SPECIAL_OFFSETS, SPECIAL_SLOTS
@@ -64,46 +67,104 @@ def _bpe_split(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
     return parts
 
 
-def _merge_word(word: tuple[bytes, ...], a: bytes, b: bytes) -> tuple[bytes, ...]:
-    out: list[bytes] = []
-    i = 0
-    while i < len(word):
-        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
-            out.append(a + b)
+Pair = tuple[bytes, bytes]
+
+
+class _Pairs:
+    """Adjacent-pair counts over the pieces' current symbols, kept up to date merge by merge, with
+    a heap of (-count, *tie(pair), pair) whose entries go stale when a count changes (a fresh one
+    is pushed then)."""
+
+    def __init__(self, pieces: Counter, tie: Callable[[Pair], tuple]):
+        self.tie = tie
+        self.words = [[bytes([b]) for b in piece] for piece in pieces]
+        self.counts = list(pieces.values())
+        self.count: Counter = Counter()
+        self.where: dict[tuple[bytes, bytes], set[int]] = defaultdict(set)
+        for w, syms in enumerate(self.words):
+            for pair in zip(syms, syms[1:]):
+                self.count[pair] += self.counts[w]
+                self.where[pair].add(w)
+        self.heap = [(-c, *tie(p), p) for p, c in self.count.items()]
+        heapq.heapify(self.heap)
+
+    def most_frequent(self) -> Pair | None:
+        """Pop the most frequent pair (ties by `tie`, then the pair), None when no pair is left."""
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            neg, pair = entry[0], entry[-1]
+            if neg and self.count.get(pair, 0) == -neg:
+                return pair
+        return None
+
+    def push(self, pairs: Iterable[Pair]) -> None:
+        for p in pairs:
+            if self.count[p] > 0:
+                heapq.heappush(self.heap, (-self.count[p], *self.tie(p), p))
+
+    def merge(self, pair: Pair) -> None:
+        """Merge `pair` in every piece that has it."""
+        for w in list(self.where[pair]):
+            touched = self._recount(w, -1)
+            self.words[w] = _merged(self.words[w], pair)
+            touched |= self._recount(w, +1)
+            self.push(touched)  # every changed count gets a fresh entry; the old ones go stale
+
+    def _recount(self, w: int, sign: int) -> set[Pair]:
+        syms = self.words[w]
+        for p in zip(syms, syms[1:]):
+            self.count[p] += sign * self.counts[w]
+            (self.where[p].add if sign > 0 else self.where[p].discard)(w)
+        return set(zip(syms, syms[1:]))
+
+
+def _merged(syms: list[bytes], pair: Pair) -> list[bytes]:
+    out, i = [], 0
+    while i < len(syms):
+        if i + 1 < len(syms) and (syms[i], syms[i + 1]) == pair:
+            out.append(syms[i] + syms[i + 1])
             i += 2
         else:
-            out.append(word[i])
+            out.append(syms[i])
             i += 1
-    return tuple(out)
+    return out
 
 
-def _next_pair(words: Counter, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
-    """The most frequent adjacent pair that makes a new, tiktoken-consistent token (ties: bytes order)."""
-    pairs: Counter = Counter()
-    for word, n in words.items():
-        for a, b in zip(word, word[1:]):
-            pairs[(a, b)] += n
-    order = lambda kv: (-kv[1], kv[0][0] + kv[0][1], kv[0][0])  # noqa: E731
-    while pairs:
-        (a, b), _ = min(pairs.items(), key=order)
-        if a + b not in ranks and _bpe_split(a + b, ranks) == [a, b]:
-            return a, b
-        del pairs[(a, b)]
-    return None
+def train_bpe(pieces: Counter, n_merges: int, *, tiktoken_consistent: bool = False) -> list[bytes]:
+    """Byte-level BPE ranks from pre-tokenized pieces (bytes -> count): the 256 bytes, then up to
+    `n_merges` tokens, each the most frequent adjacent pair merged everywhere, as tiktoken
+    vocabularies are learned.
 
+    With `tiktoken_consistent`, a merge is kept only when tiktoken, encoding the new token with the
+    ranks before it, splits it into exactly that pair (what merge recovery from tiktoken ranks
+    relies on), and ties go to the smaller merged bytes; without it, the vocabulary also has the
+    inconsistent merges real ones carry, and ties go to the smaller pair.
+    """
+    pairs = _Pairs(pieces, (lambda p: (p[0] + p[1], p[0])) if tiktoken_consistent else (lambda p: ()))
+    ranks = {bytes([b]): b for b in range(256)}
+    skipped: set[Pair] = set()  # pairs passed over since the last merge: candidates again after it
+    while len(ranks) < 256 + n_merges:
+        pair = pairs.most_frequent()
+        if pair is None:
+            break
+        merged = pair[0] + pair[1]
+        if tiktoken_consistent and (merged in ranks or _bpe_split(merged, ranks) != list(pair)):
+            skipped.add(pair)
+            continue
+        ranks.setdefault(merged, len(ranks))  # another split of the same bytes may have made it already
+        pairs.merge(pair)
+        pairs.push(skipped)
+        skipped.clear()
+    return list(ranks)
 
 @lru_cache(maxsize=4)
 def bpe_ranks(n_merges: int) -> tuple[bytes, ...]:
     """256 single bytes, then `n_merges` merged tokens, in rank order."""
-    ranks = {bytes([i]): i for i in range(256)}
-    words = Counter(tuple(bytes([c]) for c in p.encode()) for p in _PIECES.findall(_TRAINING_TEXT))
-    for _ in range(n_merges):
-        pair = _next_pair(words, ranks)
-        if pair is None:
-            raise ConfigError(f"vocab size {n_merges + 256 + SPECIAL_SLOTS} needs {n_merges} BPE merges; "
-                              f"the built-in training text yields only {len(ranks) - 256}")
-        ranks[pair[0] + pair[1]] = len(ranks)
-        words = Counter({_merge_word(w, *pair): n for w, n in words.items()})
+    pieces = Counter(p.encode() for p in _PIECES.findall(_TRAINING_TEXT))
+    ranks = train_bpe(pieces, n_merges, tiktoken_consistent=True)
+    if len(ranks) < 256 + n_merges:
+        raise ConfigError(f"vocab size {n_merges + 256 + SPECIAL_SLOTS} needs {n_merges} BPE merges; "
+                          f"the built-in training text yields only {len(ranks) - 256}")
     return tuple(ranks)
 
 

@@ -65,7 +65,7 @@ def _check_index(model_dir: Path, monkeypatch, blob: bytes) -> None:
                 opened.append(Path(p))
             return real(p, *a, **k)
         return opener
-    monkeypatch.setattr(safetensors_index, "open", recording(open), raising=False)
+    monkeypatch.setattr(st_reader, "open", recording(open), raising=False)
     monkeypatch.setattr(st_reader.os, "open", recording(os.open))
     ckpt = _raises_cleanly(CheckpointError, st_reader.open_checkpoint, model_dir)
     root = model_dir.resolve()

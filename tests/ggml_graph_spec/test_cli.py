@@ -12,6 +12,7 @@ import pytest
 from gguf_arch.errors import EXIT_BAD_INPUT
 from ggml_graph_spec.cli import main, parse_override_kv
 from ggml_graph_spec.tokenizer import BPETokenizer
+from tests.support.paths import REPO
 
 PROMPT = "[BOS]The old woman sold honey in small"  # the fixtures' short prompt
 
@@ -161,9 +162,8 @@ def test_split_gguf_runs_from_its_first_file(capsys, tmp_path, k3_tiny_gguf, k3_
 
 
 def test_python_dash_m_is_the_cli_with_its_exit_codes(tmp_path):
-    repo = REPO
     r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(tmp_path / "none.gguf"), "-p", "x"],
-                       cwd=repo, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_BAD_INPUT
     assert r.stdout == "" and r.stderr.count("\n") == 1 and "none.gguf: not found" in r.stderr
 

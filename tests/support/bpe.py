@@ -1,15 +1,15 @@
-"""Test vocabularies: a small byte-level BPE trainer and a seeded multilingual corpus, so merge
+"""Test vocabularies: a seeded multilingual corpus and BPE ranks learned from it, so merge
 recovery and the runtime BPE are exercised on thousands of merges learned the way tiktoken
 vocabularies are (most frequent adjacent pair inside pre-tokenizer pieces, merged everywhere)."""
 from __future__ import annotations
 
-import heapq
 import random
-from collections import Counter, defaultdict
+from collections import Counter
 
 import regex
 
 from gguf_arch.arch.tokenizer import KIMI_K2_PATTERN
+from gguf_arch.synth.tokenizer import train_bpe
 
 _SPLIT = regex.compile(KIMI_K2_PATTERN, flags=regex.V1)
 
@@ -41,54 +41,8 @@ def multilingual_corpus(n_words: int, seed: int = 0) -> str:
     return "".join(w + rng.choice(_PUNCT) for w in words)
 
 
-def train_bpe(text: str, n_merges: int) -> list[bytes]:
-    """Byte-level BPE ranks: the 256 bytes, then one token per learned merge."""
-    pieces = Counter(m.encode("utf-8") for m in _SPLIT.findall(text))
-    words = [[bytes([b]) for b in piece] for piece in pieces]
-    counts = list(pieces.values())
-    pair_count: Counter = Counter()
-    where: dict[tuple[bytes, bytes], set[int]] = defaultdict(set)
-    for w, syms in enumerate(words):
-        for pair in zip(syms, syms[1:]):
-            pair_count[pair] += counts[w]
-            where[pair].add(w)
-    heap = [(-c, p) for p, c in pair_count.items()]
-    heapq.heapify(heap)
-    ranks = [bytes([b]) for b in range(256)]
-    known = set(ranks)
-    while len(ranks) < 256 + n_merges and heap:
-        neg, pair = heapq.heappop(heap)
-        if pair_count.get(pair, 0) != -neg or neg == 0:
-            continue  # stale heap entry
-        merged = pair[0] + pair[1]
-        if merged not in known:  # another split of the same bytes may have made it already
-            known.add(merged)
-            ranks.append(merged)
-        for w in list(where[pair]):
-            _merge_in_word(words, counts, w, pair, pair_count, where, heap)
-    return ranks
-
-
-def _merge_in_word(words, counts, w, pair, pair_count, where, heap) -> None:
-    syms = words[w]
-    touched = set()
-    for p in zip(syms, syms[1:]):
-        pair_count[p] -= counts[w]
-        where[p].discard(w)
-        touched.add(p)
-    out, i = [], 0
-    while i < len(syms):
-        if i + 1 < len(syms) and (syms[i], syms[i + 1]) == pair:
-            out.append(syms[i] + syms[i + 1])
-            i += 2
-        else:
-            out.append(syms[i])
-            i += 1
-    words[w] = out
-    for p in zip(out, out[1:]):
-        pair_count[p] += counts[w]
-        where[p].add(w)
-        touched.add(p)
-    for p in touched:  # every changed count gets a fresh entry; the old ones go stale
-        if pair_count[p] > 0:
-            heapq.heappush(heap, (-pair_count[p], p))
+def kimi_bpe(text: str, n_merges: int) -> list[bytes]:
+    """Byte-level BPE ranks learned from `text` split by the Kimi pre-tokenizer (the project's one
+    trainer, `gguf_arch.synth.tokenizer.train_bpe`, with the inconsistent merges real vocabularies
+    carry)."""
+    return train_bpe(Counter(m.encode("utf-8") for m in _SPLIT.findall(text)), n_merges)

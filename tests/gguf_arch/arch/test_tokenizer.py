@@ -16,7 +16,7 @@ from gguf_arch.arch.config import K3Config, load_config
 from gguf_arch.errors import TokenizerError
 from gguf_arch.arch.tokenizer import (byte_to_unicode, bytes_to_token_text, read_ranks, recover_merges,
                                  tokenizer_metadata)
-from tests.support.bpe import multilingual_corpus, train_bpe
+from tests.support.bpe import kimi_bpe, multilingual_corpus
 from tests.support.paths import K3_TINY as FIXTURE
 
 N_RANKS = 656  # fixture README: 256 bytes + 400 merges
@@ -34,7 +34,7 @@ def meta(cfg: K3Config) -> dict:
 
 @pytest.fixture(scope="module")
 def trained_ranks() -> list[bytes]:
-    return train_bpe(multilingual_corpus(12000), 3000)
+    return kimi_bpe(multilingual_corpus(12000), 3000)
 
 
 def naive_bpe(rank_of: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
