@@ -2,7 +2,6 @@
 (k31pro-format.md section 3): scores, the tie-exact top-k selection, the mask, DSA attention."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import ggml
 import numpy as np

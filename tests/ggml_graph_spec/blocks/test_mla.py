@@ -1,7 +1,6 @@
 """The gated NoPE MLA builder (absorbed form, latent cache) against the spec's un-absorbed math."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
