@@ -76,6 +76,10 @@ class Kernels:
     feature_mismatch: str  # '' or which features differ
     fused_mix: bool  # llama.cpp's mix rounds once per multiply-add (1 ulp against ours)
 
+    @property
+    def same(self) -> bool:
+        return not self.feature_mismatch and not self.fused_mix
+
     def skip_unless_same(self) -> None:
         """Bit equality with llama.cpp is a claim about two builds of the same kernels."""
         why = [self.feature_mismatch] if self.feature_mismatch else []
