@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from gguf_arch.arch.config import load_config
-from gguf_arch.arch.tensors import OUT_MXFP4, plan_tensors
+from gguf_arch.arch.tensors import ATTN_K, ATTN_Q, OUT_MXFP4, layer_name, plan_tensors
 from ggml_graph_spec.blocks.attn_res import ResidualBank, attn_res
 from ggml_graph_spec.blocks.ffn import situ
 from ggml_graph_spec.blocks.kda import build_kda
@@ -55,7 +55,7 @@ class RandomLayer:
     """A layer's tensors with random values: ggml tensors (`w`) and their numpy values (`np`)."""
 
     def __init__(self, cfg, layer: int, exe: Executor, seed: int, scale: dict[str, float] | None = None):
-        """scale: factors for some of the weights, by name suffix (e.g. {"attn_q.weight": 1e-3})."""
+        """scale: factors for some of the weights, by GGUF tensor name."""
         rng = np.random.default_rng(seed)
         scale = scale or {}
         planned = [p for p in plan_tensors(cfg) if p.layer == layer and not p.spec.optional]
@@ -64,8 +64,7 @@ class RandomLayer:
         self.np: dict[str, np.ndarray] = {}
         tensors, data = {}, {}
         for p in planned:
-            factor = next((f for suffix, f in scale.items() if p.name.endswith(suffix)), 1.0)
-            value = (factor * _random_weight(rng, p.name, p.shape)).astype(np.float32)
+            value = (scale.get(p.name, 1.0) * _random_weight(rng, p.name, p.shape)).astype(np.float32)
             if p.spec.out == OUT_MXFP4:
                 raw = quantize(value, Q.MXFP4)
                 self.np[p.name] = dequantize(raw, Q.MXFP4)
@@ -213,7 +212,7 @@ def test_kda_l2_eps_is_the_reference_one_exact_and_llama_cpp_one_fast(cfg, exe, 
     """q/k projections 1e-3 times smaller make sum(q^2) ~4e-6, so the L2-norm eps decides the
     output: the exact path must be the reference (1e-6), the fast path llama.cpp (rms_norm_eps)."""
     layer = cfg.kda.layers[1]
-    L = RandomLayer(cfg, layer, exe, seed=6, scale={"attn_q.weight": 1e-3, "attn_k.weight": 1e-3})
+    L = RandomLayer(cfg, layer, exe, seed=6, scale={layer_name(t, layer): 1e-3 for t in (ATTN_Q, ATTN_K)})
     cache = SequenceCache(cfg, exe.backend, n_ctx=8, exact=exact, with_indexer=False)
     try:
         x = np.random.default_rng(7).standard_normal((4, cfg.hidden_size)).astype(np.float32)
