@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import ggml
 import numpy as np
 
+from . import taps
 from .graph import I32, GraphBuild
 
 # fla's q/k pre-processing in chunk_kda / fused_recurrent_kda: x / sqrt(sum(x^2) + 1e-6)
@@ -171,6 +172,7 @@ def _routed_experts(g: GraphBuild, w, z, ids):
     """
     c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
     names = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+    routed_ids = ids
     if g.exact:
         gate_b, up_b, down_b = (_dequantized_experts(g, w(n), ids) for n in names)
         ids = g.input("expert_slots", I32, (k, T), np.arange(k * T, dtype=np.int32).reshape(T, k))
@@ -179,7 +181,11 @@ def _routed_experts(g: GraphBuild, w, z, ids):
     z3 = ggml.ggml_reshape_3d(c, z, z.contents.ne[0], 1, T)
     gate = ggml.ggml_mul_mat_id(c, gate_b, z3, ids)  # [I, k, T]
     up = ggml.ggml_mul_mat_id(c, up_b, z3, ids)
-    return ggml.ggml_mul_mat_id(c, down_b, situ(g, gate, up), ids)  # [L, k, T]
+    hidden = situ(g, gate, up)
+    if g.wants(taps.IMATRIX):
+        for name, x in zip(names, (z3, z3, hidden)):
+            taps.record_expert_input_sq(g, f"blk.{w.layer}.{name}", x, routed_ids, g.cfg.num_experts)
+    return ggml.ggml_mul_mat_id(c, down_b, hidden, ids)  # [L, k, T]
 
 
 def build_moe(g: GraphBuild, w, x):
@@ -187,7 +193,10 @@ def build_moe(g: GraphBuild, w, x):
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     ids, weights = _route(g, w, x)
     z = g.mm(w("ffn_routed_down.weight"), x)  # [L, T]
-    per_expert = ggml.ggml_mul(c, _routed_experts(g, w, z, ids), weights)  # [L, k, T]
+    outputs = _routed_experts(g, w, z, ids)  # [L, k, T]
+    if g.wants(taps.MOE_NORMS):
+        taps.record_slot_norms(g, w.layer, outputs)
+    per_expert = ggml.ggml_mul(c, outputs, weights)
     L, nb1, nb2 = cfg.latent_size, per_expert.contents.nb[1], per_expert.contents.nb[2]
     u = None
     for j in range(cfg.num_experts_used):

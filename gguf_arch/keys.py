@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gguf import GGUFValueType as T
+from gguf import Keys
 
 from .config import K3Config
 
@@ -18,6 +19,18 @@ INDEXER_KEY_LENGTH = f"{ARCH}.attention.indexer.key_length"
 INDEXER_TOP_K = f"{ARCH}.attention.indexer.top_k"
 INDEXER_LAYERS = f"{ARCH}.attention.indexer.layers"
 INDEXER_KEYS = (INDEXER_HEAD_COUNT, INDEXER_KEY_LENGTH, INDEXER_TOP_K, INDEXER_LAYERS)
+
+# A GGUF made by kimi-k3-prune (gguf_arch/prune.py): the checkpoint's expert count, and for every
+# MoE layer in layer order the original ids of its expert_count kept experts (one flat array).
+PRUNED_EXPERT_COUNT = f"{ARCH}.pruned.original_expert_count"
+PRUNED_KEPT_EXPERTS = f"{ARCH}.pruned.kept_experts"
+
+# llama-imatrix's GGUF output (gguf_arch/imatrix.py).
+GENERAL_TYPE = Keys.General.TYPE
+IMATRIX_TYPE = "imatrix"
+IMATRIX_DATASETS = Keys.IMatrix.DATASETS
+IMATRIX_CHUNK_COUNT = Keys.IMatrix.CHUNK_COUNT
+IMATRIX_CHUNK_SIZE = Keys.IMatrix.CHUNK_SIZE
 
 
 @dataclass(frozen=True)

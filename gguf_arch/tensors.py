@@ -164,6 +164,13 @@ TABLE: tuple[TensorSpec, ...] = (
 )
 
 
+# The routed experts (stacked [n_expert, rows, cols]), and with the router's rows and bias every
+# tensor whose first axis (numpy order; the outermost ggml one) is the routed expert: what expert
+# pruning slices (gguf_arch/prune.py), each expert one contiguous run of bytes.
+ROUTED_EXPERTS = tuple(s.gguf for s in TABLE if s.transform == "mxfp4_experts")
+PER_EXPERT = ("blk.{l}.ffn_gate_inp.weight", "blk.{l}.exp_probs_b.bias", *ROUTED_EXPERTS)
+
+
 def layer_groups(cfg: K3Config, layer: int) -> tuple[str, ...]:
     """The table groups a layer carries, decided by the config's layer kinds."""
     groups = ["layer", cfg.attn_kind(layer)]
