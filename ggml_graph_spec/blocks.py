@@ -130,6 +130,24 @@ def attn_res(g: GraphBuild, p, bank: ResidualBank, score):
 
 # ---- D.6 LatentMoE ----------------------------------------------------------------------------
 
+def _router_logits(g: GraphBuild, w, x):
+    """ffn_gate_inp x, [E, T].
+
+    The exact path multiplies the other way round, (x^T W)^T: ggml picks its F32 kernel by the
+    first operand's row count (llamafile's sgemm takes multiples of 4, other counts go to
+    ggml's dot products), so with the weight first a score could move by an ulp when pruning
+    changes the expert count; with x first each score is the same dot product for any count of
+    2 or more, and pruning experts no token selects leaves the exact path's logits bit for bit.
+    The fast path keeps llama.cpp's order.
+    """
+    c, gate = g.ctx, w("ffn_gate_inp.weight")
+    if not g.exact:
+        return g.mm(gate, x)
+    if g.wants(taps.IMATRIX):
+        taps.record_input_sq(g, gate, x)
+    return ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul_mat(c, x, gate)))
+
+
 def _route(g: GraphBuild, w, x):
     """Sigmoid router on the full width; the bias picks the experts, the unbiased scores weigh them.
 
@@ -137,7 +155,7 @@ def _route(g: GraphBuild, w, x):
     """
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     E, k = cfg.num_experts, cfg.num_experts_used
-    probs = ggml.ggml_sigmoid(c, g.mm(w("ffn_gate_inp.weight"), x))  # [E, T]
+    probs = ggml.ggml_sigmoid(c, _router_logits(g, w, x))  # [E, T]
     ids = ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w("exp_probs_b.bias")), k))
     weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, E, T), ids)  # [1, k, T]
     if cfg.moe_renormalize:

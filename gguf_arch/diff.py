@@ -20,6 +20,7 @@ Exit codes follow cmp(1): 0 every tensor matches, 1 a difference, 2 bad input (e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import mmap
@@ -35,6 +36,8 @@ from gguf.quants import dequantize
 from .config import K3Config, load_config
 from .errors import EXIT_INTERRUPTED, CheckpointError, KimiError
 from .gguf_file import open_gguf
+from .keys import ARCH
+from .pruned import is_per_expert, read_kept, select_experts
 from .tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, TABLE, PlannedTensor, plan_tensors
 
 DIFFERENCES_EXIT = 1
@@ -497,11 +500,16 @@ def read_sources(ckpt: _Checkpoint, plan: PlannedTensor) -> list[_Source]:
 
 
 def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
-              intended: Mapping[str, str]) -> TensorDiff:
+              intended: Mapping[str, str], kept: tuple[int, ...] | None = None) -> TensorDiff:
+    """kept: for a per-expert tensor of a pruned GGUF, the original ids of the experts it holds."""
     t = gguf.tensors[plan.name]
     qtype = Q(t.tensor_type)
     sources = read_sources(ckpt, plan)
     want = exact_type(plan, sources)
+    references = REFERENCES[plan.transform](cfg, plan, sources)
+    if kept is not None:
+        references = select_experts(references, plan.shape, kept, _Chunk)
+        plan = dataclasses.replace(plan, shape=(len(kept), *plan.shape[1:]))
 
     def result(status: str, detail: str, mismatches: Iterable[Mismatch] = ()) -> TensorDiff:
         return TensorDiff(plan.name, plan.layer, status, detail, qtype.name, want.name, tuple(mismatches))
@@ -515,8 +523,7 @@ def _diff_one(ckpt: _Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor
     if problem:
         return result(TYPE, problem)
     exact = qtype == want
-    mismatches = _compare(gguf, plan, _releasing(REFERENCES[plan.transform](cfg, plan, sources), ckpt, gguf),
-                          qtype, exact)
+    mismatches = _compare(gguf, plan, _releasing(references, ckpt, gguf), qtype, exact)
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_MAX_UNITS_SHOWN])
         more = f"; and {len(mismatches) - _MAX_UNITS_SHOWN} more" if len(mismatches) > _MAX_UNITS_SHOWN else ""
@@ -549,6 +556,20 @@ def select_layers(cfg: K3Config, layers: Iterable[int] | None) -> tuple[int, ...
     return chosen
 
 
+def _pruned_experts(gguf: _GGUF, cfg: K3Config, path: Path) -> dict[int, tuple[int, ...]]:
+    """The kept experts of a GGUF made by kimi-k3-prune (gguf_arch/pruned.py); {} when unpruned."""
+    f = gguf.reader.fields
+    meta = {k: f[k].contents() for k in f if k.startswith(ARCH)}
+    n_expert = meta.get(f"{ARCH}.expert_count", cfg.num_experts)
+    pruning = read_kept(meta, cfg.moe_layers, n_expert, str(path))
+    if pruning is None:
+        return {}
+    if pruning[0] != cfg.num_experts:
+        raise KimiError(f"{path}: pruned from a model with {pruning[0]} experts per layer, the checkpoint has "
+                        f"{cfg.num_experts}")
+    return pruning[1]
+
+
 def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
                       include_globals: bool = True, intended_types: Mapping[str, str] | None = None,
                       ) -> Iterator[TensorDiff]:
@@ -561,6 +582,7 @@ def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iter
     cfg = load_config(model_dir)
     chosen = set(select_layers(cfg, layers))
     ckpt, gguf = _Checkpoint(model_dir), _GGUF(gguf_path)
+    kept = _pruned_experts(gguf, cfg, gguf_path)
     expected: set[str] = set()
     for plan in plan_tensors(cfg):
         if not ((plan.layer is None and include_globals) or plan.layer in chosen):
@@ -571,7 +593,8 @@ def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iter
         if plan.name not in gguf.tensors:
             yield TensorDiff(plan.name, plan.layer, MISSING, "in the plan, not in the GGUF")
         else:
-            yield _diff_one(ckpt, gguf, cfg, plan, intended_types or {})
+            yield _diff_one(ckpt, gguf, cfg, plan, intended_types or {},
+                            kept.get(plan.layer) if is_per_expert(plan.name, plan.layer) else None)
     for name, t in gguf.tensors.items():
         layer = gguf_layer(name)
         in_scope = layer in chosen or (layer is None and include_globals) or (layer or 0) >= cfg.num_layers
