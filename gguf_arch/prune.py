@@ -1,11 +1,13 @@
 """kimi-k3-prune: keep N routed experts in every MoE layer of a kimi-k3 GGUF (REAP pruning).
 
     kimi-k3-prune IN.gguf OUT.gguf --saliency S.json (--keep-experts N | --keep-used) [--tag TAG]
+                  [--rank reap|frequency]
     kimi-k3-prune IN.gguf OUT.gguf --plan PLAN.json
     [--overwrite] [--quiet]
 
 Which experts: the N of highest REAP saliency per layer (gguf_arch/saliency.py; ties go to the
-more often routed, then the lower id), from the whole calibration or one --tag of it;
+more often routed, then the lower id), from the whole calibration or one --tag of it; with
+--rank frequency the N most often routed instead (bench/prune.py compares both on the fixtures);
 --keep-used takes N = the most experts any layer routed to, so every expert the calibration
 reached survives. --plan names them: {"layers": {"<layer>": [ids, ...]}}, one list per MoE layer.
 
@@ -73,6 +75,16 @@ def top_experts(stats: LayerSaliency, n: int) -> tuple[int, ...]:
 def most_used(stats: dict[int, LayerSaliency]) -> int:
     """The most experts any layer routed a calibration token to."""
     return max(int((s.count > 0).sum()) for s in stats.values())
+
+
+RANKS = ("reap", "frequency")
+
+
+def ranked_by(stats: dict[int, LayerSaliency], rank: str) -> dict[int, LayerSaliency]:
+    """The statistics as top_experts ranks them: REAP saliency, or the routing counts themselves."""
+    if rank == "frequency":
+        return {l: LayerSaliency(s.count, s.count.astype(np.float64)) for l, s in stats.items()}
+    return stats
 
 
 def plan_from_saliency(stats: dict[int, LayerSaliency], n: int) -> Kept:
@@ -228,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--keep-used", action="store_true", help="keep every expert the calibration routed to")
     how.add_argument("--plan", type=Path, metavar="PLAN.json", help="the experts to keep, per layer")
     p.add_argument("--tag", help="rank by this tag's saliency instead of the whole calibration's")
+    p.add_argument("--rank", choices=RANKS, default="reap", help="REAP saliency (default) or routing frequency")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -241,7 +254,7 @@ def _choose(a: argparse.Namespace, src: SourceGGUF) -> Kept:
         return read_plan(a.plan, cfg.moe_layers, cfg.num_experts)
     if a.saliency is None:
         raise PlanError("kimi-k3-prune: --keep-experts/--keep-used rank experts by --saliency S.json")
-    stats = read_saliency(a.saliency, cfg.moe_layers, cfg.num_experts).scores(a.tag)
+    stats = ranked_by(read_saliency(a.saliency, cfg.moe_layers, cfg.num_experts).scores(a.tag), a.rank)
     n = most_used(stats) if a.keep_used else a.keep_experts
     if not 1 <= n <= cfg.num_experts:
         raise PlanError(f"kimi-k3-prune: --keep-experts must be in 1..{cfg.num_experts} (the GGUF's expert_count), "

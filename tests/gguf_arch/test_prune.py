@@ -218,3 +218,16 @@ def test_output_rules(k31pro_tiny_gguf, tmp_path, capsys):
     fake.write_bytes(b"GGUF but not really")
     assert main([str(fake), str(tmp_path / "x.gguf"), "--plan", str(plan)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {fake}")
+
+
+def test_rank_frequency_keeps_the_most_routed(k31pro_tiny_gguf, tmp_path):
+    doc = _saliency_doc()
+    for l in MOE_LAYERS:  # experts 5..7 are routed most but have the smallest mean contribution
+        doc["layers"][str(l)].update(count=[1, 1, 1, 1, 1, 9, 9, 9], saliency=[0.9] * 5 + [0.1] * 3)
+    sal = tmp_path / "s.json"
+    sal.write_text(json.dumps(doc))
+    for rank, kept in (("reap", [0, 1, 2]), ("frequency", [5, 6, 7])):
+        out = tmp_path / f"{rank}.gguf"
+        assert main([str(k31pro_tiny_gguf), str(out), "--saliency", str(sal), "--keep-experts", "3",
+                     "--rank", rank]) == 0
+        assert _fields(out)[K.PRUNED_KEPT_EXPERTS] == kept * len(MOE_LAYERS)

@@ -84,3 +84,13 @@ def test_imatrix_layout_equals_llama_imatrix_on_the_mxfp4_gguf(k31pro_no_dsa_ggu
     for a, b in zip(ours.tensors, theirs.tensors):
         if a.name in first:
             assert _rel(a.data, b.data) <= IMATRIX_REL_TOL, a.name
+
+
+def test_llama_quantize_reads_our_imatrix(k31pro_no_dsa_gguf, tmp_path):
+    im = tmp_path / "im.gguf"
+    assert calibrate(["-m", str(k31pro_no_dsa_gguf), "-f", str(PROSE), "-o", str(tmp_path / "s.json"),
+                      "--imatrix", str(im), "-c", str(CHUNK), "--chunks", "2", "-t", "2"]) == 0
+    n = len(GGUFReader(im).tensors) // 2
+    r = llama_tools.run_tool("llama-quantize", "--allow-requantize", "--imatrix", im, k31pro_no_dsa_gguf,
+                             tmp_path / "q.gguf", "Q4_0", "2")
+    assert f"loaded {n} importance matrix entries" in r.stdout + r.stderr
