@@ -35,9 +35,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gguf_arch.convert import convert  # noqa: E402
-from gguf_arch.prune import RANKS, SourceGGUF, plan_from_saliency, prune_gguf, ranked_by  # noqa: E402
-from gguf_arch.saliency import read_saliency  # noqa: E402
+from gguf_arch.convert.run import convert  # noqa: E402
+from gguf_arch.io.saliency import read_saliency  # noqa: E402
+from ggml_graph_spec.prune import RANKS, SourceGGUF, plan_from_saliency, prune_gguf, ranked_by  # noqa: E402
 from ggml_graph_spec.calibrate import main as calibrate  # noqa: E402
 from ggml_graph_spec.model import Model  # noqa: E402
 from tests.support.paths import CODE, K31PRO_TINY, PROSE  # noqa: E402

@@ -10,9 +10,9 @@ routes it as a prompt. --chunks caps the chunks taken from each file. A file's t
 per-tag statistics) is the text after its last ':' when the whole argument is not itself a file,
 else the file name without its suffix.
 
-Outputs: the saliency JSON (gguf_arch/saliency.py: per MoE layer and expert the tokens routed to
+Outputs: the saliency JSON (gguf_arch/io/saliency.py: per MoE layer and expert the tokens routed to
 it and its REAP saliency, overall and per tag) and, with --imatrix, llama-imatrix's GGUF
-(gguf_arch/imatrix.py) for llama-quantize. As llama-imatrix, the imatrix covers the matmuls of
+(gguf_arch/io/imatrix.py) for llama-quantize. As llama-imatrix, the imatrix covers the matmuls of
 the blk.* weights, output.weight too with --process-output; unlike it, batches under 16 tokens
 are not skipped. Only per-layer sums are kept between chunks: memory does not grow with the corpus.
 
@@ -31,20 +31,18 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from gguf_arch.atomic import check_new_output
+from gguf_arch.arch.tensors import OUTPUT, ROUTED_EXPERTS, gguf_layer, layer_name
 from gguf_arch.errors import KimiError, run_cli
-from gguf_arch.imatrix import ImatrixAccumulator, write_imatrix
-from gguf_arch.jsonfile import read_text
-from gguf_arch.saliency import SaliencyAccumulator, write_saliency
-from gguf_arch.tensors import ROUTED_EXPERTS
+from gguf_arch.io.atomic import check_new_output
+from gguf_arch.io.imatrix import ImatrixAccumulator, write_imatrix
+from gguf_arch.io.jsonfile import read_text
+from gguf_arch.io.saliency import SaliencyAccumulator, write_saliency
 
 from . import taps
 from .model import EvalResult, Model
 from .tokenizer import BPETokenizer
 
 DEFAULT_CHUNK = 512  # llama-imatrix's -c default
-OUTPUT_WEIGHT = "output.weight"
-_LAYER_WEIGHT_PREFIX = "blk."
 
 
 class UsageError(KimiError):
@@ -88,7 +86,7 @@ class Calibration:
 
     def __post_init__(self) -> None:
         cfg = self.model.cfg
-        self._routed = frozenset(t.format(l=l) for l in cfg.moe_layers for t in ROUTED_EXPERTS)
+        self._routed = frozenset(layer_name(t, l) for l in cfg.moe_layers for t in ROUTED_EXPERTS)
 
     @property
     def wants(self) -> tuple[str, ...]:
@@ -105,10 +103,11 @@ class Calibration:
         n_expert = self.model.cfg.num_experts
         counts = {l: np.bincount(ids.ravel(), minlength=n_expert) for l, ids in r.moe_experts.items()}
         for name, sums in r.imatrix.items():
-            if not (name.startswith(_LAYER_WEIGHT_PREFIX) or (self.process_output and name == OUTPUT_WEIGHT)):
+            layer = gguf_layer(name)
+            if layer is None and not (self.process_output and name == OUTPUT):
                 continue
             if name in self._routed:
-                self.imatrix.add_experts(name, sums, counts[int(name.split(".")[1])])
+                self.imatrix.add_experts(name, sums, counts[layer])
             else:
                 self.imatrix.add_dense(name, sums, n_tokens)
         self.imatrix.tokens += n_tokens

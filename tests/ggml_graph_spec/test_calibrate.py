@@ -16,19 +16,18 @@ from functools import partial
 import ggml
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, Keys
 
-from gguf_arch import keys as K
-from gguf_arch.tensors import ROUTED_EXPERTS, plan_tensors
+from gguf_arch.arch.tensors import ROUTED_EXPERTS, plan_tensors
 from ggml_graph_spec import taps
-from ggml_graph_spec.blocks import build_moe
+from ggml_graph_spec.blocks.moe import build_moe
 from ggml_graph_spec.cache import SequenceCache
 from ggml_graph_spec.calibrate import chunks_of, main, parse_file_arg
 from ggml_graph_spec.graph import F32, I32, Executor, GraphBuild
 from ggml_graph_spec.loader import load_gguf
 from ggml_graph_spec.model import Model, build_forward
 from ggml_graph_spec.tokenizer import BPETokenizer
-from tests.ggml_graph_spec.test_blocks import RTOL, RandomLayer, cfg, np_rmsnorm, np_sigmoid, np_situ  # noqa: F401
+from tests.ggml_graph_spec.blocks.test_blocks import RTOL, RandomLayer, cfg, np_rmsnorm, np_sigmoid, np_situ  # noqa: F401
 from tests.support.paths import CODE, PROSE
 
 TAPS = (taps.MOE_NORMS, taps.IMATRIX)
@@ -222,8 +221,8 @@ def test_imatrix_is_llama_cpp_format_read_back_by_gguf_py(calibrated, k31pro_tin
     doc, im = calibrated
     r = GGUFReader(im)
     fields = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    assert fields == {K.GENERAL_TYPE: "imatrix", K.IMATRIX_DATASETS: [str(PROSE), str(CODE)],
-                      K.IMATRIX_CHUNK_COUNT: 4, K.IMATRIX_CHUNK_SIZE: CHUNK}
+    assert fields == {Keys.General.TYPE: "imatrix", Keys.IMatrix.DATASETS: [str(PROSE), str(CODE)],
+                      Keys.IMatrix.CHUNK_COUNT: 4, Keys.IMatrix.CHUNK_SIZE: CHUNK}
     cfg = load_gguf(k31pro_tiny_gguf).cfg
     # every weight a matmul reads: the blk.* matrices and per-head 3-D weights (not the 4-D conv
     # kernels, vectors, norms or the globals)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gguf_arch.prune import main as prune
+from ggml_graph_spec.prune import main as prune
 from ggml_graph_spec.model import Model
 
 from .conftest import _convert, llama_run, requires_llama_cpp
