@@ -129,40 +129,43 @@ def test_top_experts_ranks_by_saliency_then_count_then_id():
 
 # ---- pruning by a calibration: what the text used survives, its logits do not move -------------
 
-def _calibrated(gguf: Path, d: Path, text: str) -> tuple[Path, list[int]]:
-    """The saliency file of `text` (exact path) and how many experts each layer routed it to."""
+def _calibrated(gguf: Path, d: Path, text: str, exact: bool) -> tuple[Path, list[int]]:
+    """The saliency file of `text` and how many experts each layer routed it to."""
     (d / "short.txt").write_text(text)
     sal = d / "short.json"
-    assert calibrate(["-m", str(gguf), "-f", str(d / "short.txt"), "-o", str(sal), "--exact-experts", "-t", "2"]) == 0
+    path = ["--exact-experts"] if exact else []
+    assert calibrate(["-m", str(gguf), "-f", str(d / "short.txt"), "-o", str(sal), "-t", "2", *path]) == 0
     used = [int((np.array(e["count"]) > 0).sum()) for e in json.loads(sal.read_text())["layers"].values()]
     return sal, used
 
 
-def _exact_logits(gguf: Path, text: str) -> np.ndarray:
-    m = Model.load(gguf, n_ctx=64, exact_experts=True, n_threads=2)
+def _logits(gguf: Path, text: str, exact: bool) -> np.ndarray:
+    m = Model.load(gguf, n_ctx=64, exact_experts=exact, n_threads=2)
     try:
         return m.eval(BPETokenizer.from_gguf(gguf).encode(text))
     finally:
         m.close()
 
 
-# 12 characters are 6 tokens, 16 are 8: both kernels of ggml's F32 matmul (llamafile's sgemm takes
-# token counts divisible by 4), and the text leaves experts of every layer unused.
-@pytest.mark.parametrize("chars", [12, 16])
-def test_pruning_to_the_experts_a_text_used_leaves_its_logits_unchanged(k31pro_tiny_gguf, tmp_path, chars):
+# Exact path: 12 characters are 6 tokens, 16 are 8, the two kernels of ggml's F32 matmul for the
+# router (llamafile's sgemm takes row counts divisible by 4, blocks/moe.py). Fast path (llama.cpp's
+# order, the expert count picks the kernel): 4 characters, 2 tokens, route to at most 4 experts a
+# layer, so 4 of 8 are kept, both counts multiples of 4. Each text leaves experts unused.
+@pytest.mark.parametrize("exact, chars", [(True, 12), (True, 16), (False, 4)], ids=["exact-6", "exact-8", "fast-2"])
+def test_pruning_to_the_experts_a_text_used_leaves_its_logits_unchanged(k31pro_tiny_gguf, tmp_path, chars, exact):
     text = PROSE.read_text()[:chars]
-    sal, used = _calibrated(k31pro_tiny_gguf, tmp_path, text)
+    sal, used = _calibrated(k31pro_tiny_gguf, tmp_path, text, exact)
     n = max(used)
     assert min(used) < n < 8, "the text must leave experts unused, and some layer at the maximum"
     out = tmp_path / "used.gguf"
     assert main([str(k31pro_tiny_gguf), str(out), "--saliency", str(sal), "--keep-used", "--quiet"]) == 0
     assert _fields(out)[K.EXPERT_COUNT] == n
-    full = _exact_logits(k31pro_tiny_gguf, text)
-    np.testing.assert_array_equal(_exact_logits(out, text), full)
+    full = _logits(k31pro_tiny_gguf, text, exact)
+    np.testing.assert_array_equal(_logits(out, text, exact), full)
     # one expert fewer drops a used expert of the layers at the maximum: the logits move
     fewer = tmp_path / "fewer.gguf"
     assert main([str(k31pro_tiny_gguf), str(fewer), "--saliency", str(sal), "--keep-experts", str(n - 1)]) == 0
-    assert np.abs(_exact_logits(fewer, text) - full).max() > 1e-3
+    assert np.abs(_logits(fewer, text, exact) - full).max() > 1e-3
 
 
 # ---- the command line ------------------------------------------------------------------------
