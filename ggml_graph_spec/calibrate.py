@@ -110,7 +110,7 @@ class Calibration:
                 self.imatrix.add_experts(name, sums, counts[layer])
             else:
                 self.imatrix.add_dense(name, sums, n_tokens)
-        self.imatrix.tokens += n_tokens
+        self.imatrix.chunks += 1
 
 
 # ---------------------------------------------------------------------------------------------

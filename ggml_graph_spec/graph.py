@@ -156,7 +156,8 @@ class GraphBuild:
         """Rows r0 .. r0+n-1 of a 2-D weight as a new F32 tensor [ne0, n]."""
         nb1 = w.contents.nb[1]
         rows = ggml.ggml_view_2d(self.ctx, w, w.contents.ne[0], n, nb1, r0 * nb1)
-        return ggml.ggml_get_rows(self.ctx, rows, self.constant(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32)))
+        ids = self.constant(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32))
+        return ggml.ggml_get_rows(self.ctx, rows, ids)
 
     def rms_norm(self, x, weight, eps: float):
         """weight * x / sqrt(mean(x^2) + eps), over ne0."""

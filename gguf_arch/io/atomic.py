@@ -6,8 +6,9 @@ removes the partial file, so a user's existing file is replaced only by a comple
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import OutputError
 
@@ -22,18 +23,25 @@ def check_new_output(path: Path, overwrite: bool) -> None:
         raise OutputError(f"{path.parent}: output directory does not exist")
 
 
+@contextmanager
+def removed_on_failure(tmp: Path, out: Path) -> Iterator[None]:
+    """Delete the partial file `tmp` if the block fails; an OSError becomes one line about `out`."""
+    try:
+        yield
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"writing {out} failed: {exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` fills a temporary file next to `path`, which then replaces `path`."""
     tmp = path.with_name(path.name + ".partial")
-    try:
+    with removed_on_failure(tmp, path):
         tmp.unlink(missing_ok=True)
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"writing {path} failed: {exc}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -3,8 +3,8 @@
 The file (llama.cpp tools/imatrix, format of ggml 0.25.3 / llama-cpp-python 0.3.36):
   general.type        "imatrix" (and no general.architecture)
   imatrix.datasets    [str]: the calibration files
-  imatrix.chunk_count u32: the tokens seen divided by the chunk size, rounded down (llama-imatrix
-                      counts chunks from its per-weight token counts)
+  imatrix.chunk_count u32: the chunks evaluated (llama-imatrix evaluates whole chunks only; a
+                      calibration here may end with a shorter one, which counts too)
   imatrix.chunk_size  u32: tokens per chunk (-c)
 and, in name order, per weight W that a matmul reads:
   W.in_sum2  F32: the sum over tokens of each input column squared. Dense W: ggml ne [ne0 * n_mat]
@@ -40,7 +40,7 @@ class ImatrixAccumulator:
     """Running in_sum2 and counts per weight; float32 sums as llama-imatrix keeps them."""
 
     entries: dict[str, _Entry] = field(default_factory=dict)
-    tokens: int = 0
+    chunks: int = 0
 
     def _entry(self, name: str, sums: np.ndarray, n_counts: int, per_expert: bool) -> _Entry:
         e = self.entries.get(name)
@@ -83,7 +83,7 @@ def write_imatrix(path: Path, acc: ImatrixAccumulator, datasets: Sequence[str], 
         w = GGUFWriter(tmp, "")  # "" leaves general.architecture out, as llama-imatrix does
         w.add_string(Keys.General.TYPE, IMATRIX_TYPE)
         w.add_array(Keys.IMatrix.DATASETS, list(datasets))
-        w.add_uint32(Keys.IMatrix.CHUNK_COUNT, acc.tokens // chunk_size)
+        w.add_uint32(Keys.IMatrix.CHUNK_COUNT, acc.chunks)
         w.add_uint32(Keys.IMatrix.CHUNK_SIZE, chunk_size)
         for name in sorted(acc.entries):
             for tensor_name, array in _tensors(name, acc.entries[name]):

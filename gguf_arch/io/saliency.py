@@ -115,7 +115,8 @@ class Saliency:
         if tag is None:
             return self.layers
         if tag not in self.by_tag:
-            raise SaliencyError(f"no tag {tag!r} in the saliency file (it has {', '.join(sorted(self.by_tag)) or 'none'})")
+            have = ", ".join(sorted(self.by_tag)) or "none"
+            raise SaliencyError(f"no tag {tag!r} in the saliency file (it has {have})")
         return self.by_tag[tag]
 
 

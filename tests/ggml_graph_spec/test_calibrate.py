@@ -27,7 +27,8 @@ from ggml_graph_spec.graph import F32, I32, Executor, GraphBuild
 from ggml_graph_spec.loader import load_gguf
 from ggml_graph_spec.model import Model, build_forward
 from ggml_graph_spec.tokenizer import BPETokenizer
-from tests.ggml_graph_spec.blocks.test_blocks import RTOL, RandomLayer, cfg, np_rmsnorm, np_sigmoid, np_situ  # noqa: F401
+from tests.ggml_graph_spec.blocks.test_blocks import (RTOL, RandomLayer, cfg, np_rmsnorm,  # noqa: F401
+                                                       np_sigmoid, np_situ)
 from tests.support.paths import CODE, PROSE
 
 TAPS = (taps.MOE_NORMS, taps.IMATRIX)
@@ -178,7 +179,8 @@ def _expected_stats(gguf) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]
                 for layer, ids in r.moe_experts.items():
                     count, weighted = out.setdefault(tag, {}).setdefault(layer, (np.zeros(8), np.zeros(8)))
                     np.add.at(count, ids.ravel(), 1)
-                    np.add.at(weighted, ids.ravel(), (r.moe_weights[layer].astype(np.float64) * r.moe_norms[layer]).ravel())
+                    contribution = r.moe_weights[layer].astype(np.float64) * r.moe_norms[layer]
+                    np.add.at(weighted, ids.ravel(), contribution.ravel())
     finally:
         m.close()
     return out
@@ -244,7 +246,8 @@ def test_imatrix_is_llama_cpp_format_read_back_by_gguf_py(calibrated, k31pro_tin
     same_input = [f"blk.5.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ssm_beta", "ssm_f_a", "ssm_g")]
     for a in same_input[1:]:
         np.testing.assert_array_equal(t[f"{a}.in_sum2"].data, t[f"{same_input[0]}.in_sum2"].data)
-    np.testing.assert_array_equal(t["blk.5.ffn_gate_exps.weight.in_sum2"].data, t["blk.5.ffn_up_exps.weight.in_sum2"].data)
+    np.testing.assert_array_equal(t["blk.5.ffn_gate_exps.weight.in_sum2"].data,
+                                  t["blk.5.ffn_up_exps.weight.in_sum2"].data)
 
 
 # ---- the command line ------------------------------------------------------------------------
@@ -280,3 +283,15 @@ def test_a_model_that_is_not_a_gguf_is_bad_input(tmp_path, capsys):
     fake.write_bytes(b"not a gguf")
     assert main(["-m", str(fake), "-f", str(PROSE), "-o", str(tmp_path / "s.json")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {fake}")
+
+
+def test_a_text_shorter_than_a_chunk_is_one_chunk(k31pro_tiny_gguf, tmp_path):
+    sal, im = tmp_path / "s.json", tmp_path / "im.gguf"
+    assert main(["-m", str(k31pro_tiny_gguf), "-f", str(PROSE), "-o", str(sal), "--imatrix", str(im),
+                 "-c", "1000"]) == 0
+    n = len(BPETokenizer.from_gguf(k31pro_tiny_gguf).encode(PROSE.read_text()))
+    doc = json.loads(sal.read_text())
+    assert n < 1000 and doc["tokens"] == n and doc["files"][0]["chunks"] == 1
+    r = GGUFReader(im)
+    assert r.fields[Keys.IMatrix.CHUNK_COUNT].contents() == 1
+    assert r.fields[Keys.IMatrix.CHUNK_SIZE].contents() == 1000
