@@ -22,7 +22,7 @@ from gguf_arch import keys as K
 from gguf_arch.config import K3Config
 from gguf_arch.errors import run_cli
 from gguf_arch.tensors import plan_tensors
-from gguf_arch.usage import ArgumentParser, UsageError
+from gguf_arch.console import ArgumentParser, UsageError, human_size
 
 from .chat import Conversation, add_chat_arguments, chat_template, parse_template_kwargs, run_interactive
 from .generate import StopRules, Timings, generate, sigint_stops
@@ -266,7 +266,7 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
         ("path", "exact (F32 activations, F32 caches)" if model.exact else "fast (as llama.cpp: quantized "
                  "activations for quantized weights, F16 latent cache)"),
         ("ggml CPU", f"llamafile sgemm {'on' if ggml.ggml_cpu_has_llamafile() else 'off (slower prompt batches)'}; "
-                     + (f"{len(w.repacked)} expert tensors repacked ({w.repacked_bytes / 2**20:.1f} MiB)"
+                     + (f"{len(w.repacked)} expert tensors repacked ({human_size(w.repacked_bytes)})"
                         if w.repacked else "weights mapped from the file, none repacked")),
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]

@@ -110,7 +110,8 @@ def compile_template(text: str, where: str, error: type[KimiError] = KimiError) 
 def _from_tokenizer_config(path: Path) -> str | None:
     if not path.is_file():
         return None
-    value = read_json(path, TokenizerError, "not found").get("chat_template")
+    raw = read_json(path, TokenizerError, "not found")
+    value = raw.get("chat_template") if isinstance(raw, dict) else None
     if isinstance(value, list):  # [{"name": ..., "template": ...}]: Hugging Face's named templates
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")

@@ -33,7 +33,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from .config import K3Config, load_config
-from .errors import EXIT_INTERRUPTED, CheckpointError, KimiError
+from .console import ArgumentParser, task_bar
+from .errors import CheckpointError, KimiError, run_cli
 from .gguf_file import open_gguf
 from .tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, TABLE, PlannedTensor, plan_tensors
 
@@ -549,6 +550,10 @@ def select_layers(cfg: K3Config, layers: Iterable[int] | None) -> tuple[int, ...
     return chosen
 
 
+def _in_scope(layer: int | None, chosen: set[int], include_globals: bool) -> bool:
+    return (layer is None and include_globals) or layer in chosen
+
+
 def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
                       include_globals: bool = True, intended_types: Mapping[str, str] | None = None,
                       ) -> Iterator[TensorDiff]:
@@ -563,7 +568,7 @@ def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iter
     ckpt, gguf = _Checkpoint(model_dir), _GGUF(gguf_path)
     expected: set[str] = set()
     for plan in plan_tensors(cfg):
-        if not ((plan.layer is None and include_globals) or plan.layer in chosen):
+        if not _in_scope(plan.layer, chosen, include_globals):
             continue
         if plan.spec.optional and not ckpt.has(plan.sources[0][0]):
             continue  # not in this checkpoint, so not in its plan: a GGUF copy is unexpected
@@ -600,33 +605,37 @@ def _parse_layers(text: str) -> list[int] | None:
         raise KimiError(f"--layers must be 'all' or comma-separated 0-based layer numbers, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def _parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
         prog="kimi-k3-diff",
         description="Compare a kimi-k3 GGUF tensor by tensor with the HF checkpoint it was converted from. "
                     "Exit 0: everything matches; 1: a difference; 2: bad input.")
-    parser.add_argument("model_dir", help="HF checkpoint directory (config.json + safetensors shards)")
-    parser.add_argument("gguf", help="the converted GGUF file")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HF checkpoint directory (config.json + safetensors shards)")
+    parser.add_argument("gguf", metavar="GGUF", help="the converted GGUF file")
     parser.add_argument("--layers", default="all", help="'all' (default) or 0-based layers, e.g. 0,3,12")
     parser.add_argument("--no-globals", action="store_true",
                         help="leave out token_embd, output and the other globals")
     parser.add_argument("--json", action="store_true", help="one JSON report instead of one line per tensor")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.model_dir)
-        report = DiffReport(args.model_dir, args.gguf, select_layers(cfg, _parse_layers(args.layers)))
+    return parser
+
+
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    cfg = load_config(args.model_dir)
+    report = DiffReport(args.model_dir, args.gguf, select_layers(cfg, _parse_layers(args.layers)))
+    in_scope = [p for p in plan_tensors(cfg) if _in_scope(p.layer, set(report.layers), not args.no_globals)]
+    with task_bar("comparing", len(in_scope), enabled=sys.stderr.isatty()) as bar:
         for diff in iter_tensor_diffs(args.model_dir, args.gguf, report.layers, not args.no_globals):
             report.tensors.append(diff)
+            bar.update()
             if not args.json:
-                print(diff.line(), flush=True)
-    except KimiError as exc:
-        print(f"kimi-k3-diff: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("kimi-k3-diff: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+                bar.write(diff.line(), file=sys.stdout)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0 if report.ok else DIFFERENCES_EXIT
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: _run(argv))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from quant_rules.apply import final_outputs
 from quant_rules.cli_options import listing_resolution
 from quant_rules.rules import QuantOptions, type_name
 
+from .console import human_size
 from .convert import gguf_metadata, output_files
 from .keys import ARCH
 from .resume import OutputFile
@@ -42,9 +43,9 @@ def plan_lines(files: list[OutputFile], notes: list[str]) -> list[str]:
     lines = [f"dry run: nothing written; {n}" for n in notes]
     width = max((len(t.name) for f in files for t in f.layout.tensors), default=4)
     for f in files:
-        lines.append(f"file {f.path}: {len(f.layout.tensors)} tensors, {f.size} bytes ({f.size / 2**30:.2f} GiB)")
+        lines.append(f"file {f.path}: {len(f.layout.tensors)} tensors, {f.size} bytes ({human_size(f.size)})")
         lines.extend(f"  {t.name:<{width}}  {type_name(t.ggml_type):<6}  {t.nbytes}" for t in f.layout.tensors)
     total = sum(f.size for f in files)
     lines.append(f"total: {len(files)} file(s), {sum(len(f.layout.tensors) for f in files)} tensors, "
-                 f"{total} bytes ({total / 2**30:.2f} GiB)")
+                 f"{total} bytes ({human_size(total)})")
     return lines

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
+from .console import task_bar
 from .diff import MISSING, iter_tensor_diffs
 from .gguf_file import open_gguf
 from .errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError
@@ -161,15 +162,18 @@ def read_manifest(gguf: Path | str) -> Manifest:
     return Manifest(doc["gguf_size"], doc["header_sha256"], tensors)
 
 
-def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
-    """Raise IntegrityError at the first byte-level difference between the GGUF and its manifest."""
+def check_hashes(gguf: Path | str, manifest: Manifest, advance: Callable[[int], object] = lambda _n: None) -> None:
+    """Raise IntegrityError at the first byte-level difference between the GGUF and its manifest;
+    `advance(n)` after each tensor's n bytes are hashed."""
     gguf = Path(gguf)
     size = gguf.stat().st_size
     if size != manifest.gguf_size:
         raise IntegrityError(f"{gguf}: {size} bytes, the manifest says {manifest.gguf_size} (truncated or replaced)")
     reader = open_gguf(gguf)
-    if _sha256_of_range(gguf, 0, _data_start(reader)) != manifest.header_sha256:
+    start = _data_start(reader)
+    if _sha256_of_range(gguf, 0, start) != manifest.header_sha256:
         raise IntegrityError(f"{gguf}: header (metadata or tensor infos) differs from the manifest's digest")
+    advance(start)
     found = [(t.name, Q(t.tensor_type).name, int(t.n_bytes), int(t.data_offset)) for t in reader.tensors]
     listed = [(d.name, d.ggml_type, d.nbytes) for d in manifest.tensors]
     if [f[:3] for f in found] != listed:
@@ -179,14 +183,15 @@ def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
     for (name, _type, nbytes, offset), d in zip(found, manifest.tensors):
         if _sha256_of_range(gguf, offset, nbytes) != d.sha256:
             raise IntegrityError(f"{gguf}: tensor {name}: SHA-256 differs from the manifest (corrupted bytes)")
+        advance(nbytes)
 
 
-def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] = print) -> None:
+def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] = print, bar: bool = False) -> None:
     """Stored digests first, then every tensor recomputed from the checkpoint; raise at the first difference.
 
     A split conversion is verified from its first part: every part against its own manifest, then
     each part's tensors against the checkpoint (a tensor the diff misses in one part must be listed
-    by another part's manifest).
+    by another part's manifest). `bar`: a progress bar on stderr for each of the two steps.
     """
     # The converter's strict reader vets the index (no shard name outside MODEL_DIR) and every
     # header before the diff's own reader opens a shard.
@@ -194,22 +199,32 @@ def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] =
     gguf = Path(gguf)
     if not gguf.is_file():
         raise GGUFError(f"{gguf}: not found (expected the converted GGUF file)")
-    manifests = {gguf: read_manifest(gguf)}
-    check_hashes(gguf, manifests[gguf])  # before anything else parses the file
-    for part in part_paths(gguf, open_gguf(gguf))[1:]:
-        if not part.is_file():
-            raise GGUFError(f"{part}: not found (a part of the split {gguf})")
-        manifests[part] = read_manifest(part)
-        check_hashes(part, manifests[part])
+    manifests = _checked_manifests(gguf, bar)
     intended = {d.name: d.ggml_type for m in manifests.values() for d in m.tensors}
     log(f"{gguf}: {len(intended)} tensor digests match the manifest(s) of {len(manifests)} file(s)")
     n = 0
-    for part, manifest in manifests.items():
-        here = {d.name for d in manifest.tensors}
-        for diff in iter_tensor_diffs(model_dir, part, intended_types=intended):
-            if diff.status == MISSING and diff.name in intended and diff.name not in here:
-                continue  # in another part
-            if not diff.ok:
-                raise IntegrityError(f"{part}: differs from {model_dir}: {diff.line()}")
-            n += 1
+    with task_bar(f"comparing with {Path(model_dir).name}", len(intended), enabled=bar) as progress:
+        for part, manifest in manifests.items():
+            here = {d.name for d in manifest.tensors}
+            for diff in iter_tensor_diffs(model_dir, part, intended_types=intended):
+                progress.update()
+                if diff.status == MISSING and diff.name in intended and diff.name not in here:
+                    continue  # in another part
+                if not diff.ok:
+                    raise IntegrityError(f"{part}: differs from {model_dir}: {diff.line()}")
+                n += 1
     log(f"{gguf}: all {n} tensors match {model_dir}")
+
+
+def _checked_manifests(gguf: Path, bar: bool) -> dict[Path, Manifest]:
+    """Every part's manifest, each part hashed against its own (the first before anything parses it)."""
+    manifests = {gguf: read_manifest(gguf)}
+    with task_bar("checking digests", manifests[gguf].gguf_size, enabled=bar, in_bytes=True) as progress:
+        check_hashes(gguf, manifests[gguf], progress.update)
+        for part in part_paths(gguf, open_gguf(gguf))[1:]:
+            if not part.is_file():
+                raise GGUFError(f"{part}: not found (a part of the split {gguf})")
+            manifests[part] = read_manifest(part)
+            progress.total += manifests[part].gguf_size
+            check_hashes(part, manifests[part], progress.update)
+    return manifests

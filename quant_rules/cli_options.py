@@ -15,6 +15,7 @@ from typing import Iterable, NamedTuple
 from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.config import K3Config, parse_config, read_config_json, text_section
+from gguf_arch.console import human_size
 from gguf_arch.convert import plan_conversion
 from gguf_arch.errors import ConfigError, OutputError
 from gguf_arch.safetensors_index import TensorMeta, open_checkpoint, read_weight_map
@@ -127,8 +128,8 @@ def format_tensor_types(resolution: Resolution) -> list[str]:
     for d in ds:
         count[d.final_type] += 1
         size[d.final_type] += d.nbytes
-    totals = ", ".join(f"{type_name(t)} {count[t]} ({size[t] / 2**30:.2f} GiB)" for t in count)
-    lines.append(f"{len(ds)} tensors, {sum(size.values()) / 2**30:.2f} GiB: {totals}")
+    totals = ", ".join(f"{type_name(t)} {count[t]} ({human_size(size[t])})" for t in count)
+    lines.append(f"{len(ds)} tensors, {human_size(sum(size.values()))}: {totals}")
     return lines
 
 

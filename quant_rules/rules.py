@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 from importlib import resources
@@ -34,6 +35,7 @@ from typing import Iterable, Sequence
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
+from gguf_arch.console import summarised
 from gguf_arch.errors import KimiError
 
 
@@ -211,33 +213,38 @@ def _decide(t: TypedTensor, opts: QuantOptions, prot: ProtectedSet) -> Decision:
 
 
 _LAYER = re.compile(r"^blk\.\d+\.")
+_NOTE_WIDTH = 100  # columns of a log note
 
 
-def _templates(names: Iterable[str]) -> str:
-    """blk.3.x, blk.7.x -> 'blk.*.x (2 layers)': which tensors, compactly."""
+def _templates(names: Iterable[str]) -> list[str]:
+    """blk.3.x, blk.7.x -> ['blk.*.x (2 layers)']: which tensors, compactly."""
     counts: dict[str, int] = defaultdict(int)
     for n in names:
         counts[_LAYER.sub("blk.*.", n)] += 1
-    return ", ".join(f"{k} ({v} layers)" if k.startswith("blk.*.") else k for k, v in counts.items())
+    return [f"{k} ({v} layers)" if k.startswith("blk.*.") else k for k, v in counts.items()]
+
+
+def _refusal_note(option: str, ds: list[Decision]) -> str:
+    """A header line, then per protected rule its tensors (at most 3 named) and its reason, wrapped."""
+    groups: dict[ProtectedRule, list[Decision]] = defaultdict(list)
+    for d in ds:
+        groups[d.protected_by].append(d)
+    lines = [f"{option}: left {len(ds)} protected tensor(s) alone:"]
+    for rule, members in groups.items():
+        kept = "/".join(sorted({type_name(d.final_type) for d in members}))
+        lines += textwrap.wrap(f"{rule.name}, kept at {kept}: {summarised(_templates(d.name for d in members))}",
+                               _NOTE_WIDTH, initial_indent="  ", subsequent_indent="      ")
+        lines += textwrap.wrap(f"why: {rule.reason}", _NOTE_WIDTH, initial_indent="    ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def refusal_log(decisions: Iterable[Decision]) -> list[str]:
-    """One line per user option that would have changed protected tensors: which, and why not."""
+    """One note per user option that would have changed protected tensors: which, and why not."""
     by_option: dict[str, list[Decision]] = defaultdict(list)
     for d in decisions:
         if d.refused is not None:
             by_option[d.refused].append(d)
-    lines = []
-    for option, ds in by_option.items():
-        groups: dict[ProtectedRule, list[Decision]] = defaultdict(list)
-        for d in ds:
-            groups[d.protected_by].append(d)
-        parts = []
-        for rule, members in groups.items():
-            kept = "/".join(sorted({type_name(d.final_type) for d in members}))
-            parts.append(f"{_templates(d.name for d in members)} kept at {kept}: {rule.reason}")
-        lines.append(f"{option}: left {len(ds)} protected tensor(s) alone: " + "; ".join(parts))
-    return lines
+    return [_refusal_note(option, ds) for option, ds in by_option.items()]
 
 
 def fallback_log(decisions: Iterable[Decision]) -> list[str]:

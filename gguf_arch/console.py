@@ -1,4 +1,5 @@
-"""The command line of every console script: one argparse style, one error style, one --version.
+"""What every console script shares: one argparse style, one error style, one --version, the
+progress bar of a long step, and how sizes and long lists are written.
 
 argparse's own error prints the whole usage block and then `PROG: error: ...`; the tools promise
 one line, `error: ...` (exit 2, README's exit codes), so a bad argument here ends with that line
@@ -7,8 +8,11 @@ and a pointer to --help in it.
 from __future__ import annotations
 
 import argparse
+import sys
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
+
+from tqdm import tqdm
 
 from .errors import KimiError
 
@@ -68,3 +72,32 @@ class _VersionAction(argparse.Action):
                  option_string: str | None = None) -> None:
         print("\n".join(version_lines(parser.prog)))
         parser.exit()
+
+
+def task_bar(desc: str, total: int, *, enabled: bool, unit: str = "tensor", in_bytes: bool = False) -> tqdm:
+    """A bar on stderr for one step of --verify or kimi-k3-diff (a no-op object when not enabled:
+    stderr is not a terminal). It disappears when closed: the result lines stay, the bar does not."""
+    return tqdm(total=total, desc=desc, unit="B" if in_bytes else unit, unit_scale=in_bytes, unit_divisor=1024,
+                file=sys.stderr, disable=not enabled, dynamic_ncols=True, leave=False)
+
+
+_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_size(n: int) -> str:
+    """1023 -> '1023 bytes', 1536 -> '1.50 KiB', 6.2e9 -> '5.77 GiB': three significant digits, the
+    largest binary unit that keeps the number at least 1 (never '0.00 GiB')."""
+    if n < 1024:
+        return f"{n} bytes"
+    value, unit = float(n), 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    digits = 2 if value < 10 else 1 if value < 100 else 0
+    return f"{value:.{digits}f} {_UNITS[unit]}"
+
+
+def summarised(items: Iterable[str], shown: int = 3) -> str:
+    """'a, b, c' or 'a, b, c ... and 4 more': a list in a note stays one short line."""
+    items = list(items)
+    head = ", ".join(items[:shown])
+    return head if len(items) <= shown else f"{head} ... and {len(items) - shown} more"
