@@ -176,8 +176,11 @@ class LineReader:
 
     def _line(self, prompt: str) -> str | None:
         if self.terminal:
+            # The prompt goes to stdout as llama-cli writes it (input()'s own prompt may go to stderr).
+            self._out.write(prompt)
+            self._out.flush()
             try:
-                return input(prompt)
+                return input()
             except EOFError:
                 return None
         line = self._stdin.readline()
