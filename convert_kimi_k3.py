@@ -21,6 +21,7 @@ from gguf_arch.dry_run import plan_lines, planned_files
 from gguf_arch.errors import run_cli
 from gguf_arch.console import ArgumentParser
 from gguf_arch.integrity import verify
+from gguf_arch.keys import dsa_key_lines
 from gguf_arch.split import SplitLimits, parse_size
 from quant_rules.cli_options import (add_quant_arguments, format_tensor_types, listing_resolution, quant_options,
                                      requantize_warning, write_quantize_rules)
@@ -64,9 +65,9 @@ def _run(args: argparse.Namespace, log) -> None:
     if quant.requantize_experts is not None:
         print(requantize_warning(quant.requantize_experts), file=sys.stderr)
     if args.print_tensor_types or args.export_quantize_rules:
-        types, source, _ = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
+        types, source, cfg = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
         if args.print_tensor_types:
-            print("\n".join([source, *types.log, *format_tensor_types(types)]))
+            print("\n".join([source, *dsa_key_lines(cfg), *types.log, *format_tensor_types(types)]))
         if args.export_quantize_rules:
             log(write_quantize_rules(args.export_quantize_rules, types))
     split = SplitLimits(parse_size(args.split_max_size) if args.split_max_size is not None else 0,

@@ -270,7 +270,7 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
                         if w.repacked else "weights mapped from the file, none repacked")),
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]
-    rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()]
+    rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()] + [("note", n) for n in w.notes]
     return [f"print_info: {k:<16} = {v}" for k, v in rows]
 
 

@@ -130,11 +130,27 @@ def _indexer_from_metadata(meta: Mapping[str, Any], where: str) -> IndexerConfig
         absent = [k for k in K.INDEXER_KEYS if k not in meta]
         raise GGUFError(f"{where}: has {', '.join(present)} but not {', '.join(absent)} "
                         "(the indexer keys come together or not at all)")
-    layers = meta[K.INDEXER_LAYERS]
-    if not isinstance(layers, list):
-        raise GGUFError(f"{where}: {K.INDEXER_LAYERS} must be an array of layer ids, got {layers!r}")
+    types, n_layers = meta[K.INDEXER_TYPES], meta.get(f"{K.ARCH}.block_count")
+    if not isinstance(types, list) or len(types) != n_layers or not all(type(t) is bool for t in types):
+        raise GGUFError(f"{where}: {K.INDEXER_TYPES} must be an array of {n_layers} bools (one per layer, "
+                        f"true on the DSA layers), got {str(types)[:200]}")
     return IndexerConfig(meta[K.INDEXER_HEAD_COUNT], meta[K.INDEXER_KEY_LENGTH], meta[K.INDEXER_TOP_K],
-                         tuple(layers))
+                         tuple(l for l, dsa in enumerate(types) if dsa))
+
+
+def upgrade_legacy_keys(meta: dict[str, Any], where: str) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A GGUF converted before kimi-k3.attention.indexer.types records its DSA layers as ids in
+    kimi-k3.attention.indexer.layers: read it as the bool array, with a note saying so."""
+    if K.LEGACY_INDEXER_LAYERS not in meta or K.INDEXER_TYPES in meta:
+        return meta, ()
+    layers, n = meta[K.LEGACY_INDEXER_LAYERS], meta.get(f"{K.ARCH}.block_count")
+    if not (type(n) is int and isinstance(layers, list) and all(type(l) is int and 0 <= l < n for l in layers)):
+        raise GGUFError(f"{where}: {K.LEGACY_INDEXER_LAYERS} must be 0-based layer ids below "
+                        f"{K.ARCH}.block_count ({n!r}), got {str(layers)[:200]}")
+    upgraded = {k: v for k, v in meta.items() if k != K.LEGACY_INDEXER_LAYERS}
+    upgraded[K.INDEXER_TYPES] = K.indexer_types(n, tuple(layers))
+    return upgraded, (f"DSA layers read from {K.LEGACY_INDEXER_LAYERS}, the key of GGUFs converted before "
+                      f"{K.INDEXER_TYPES} (llama.cpp's); reconvert to write it",)
 
 
 def _same(want: Any, got: Any, vtype: GGUFValueType) -> bool:
@@ -152,7 +168,7 @@ def _check_against_key_table(cfg: K3Config, meta: Mapping[str, Any], where: str)
             raise GGUFError(f"{where}: metadata {key} is {got!r}, expected {want!r} "
                             "(inconsistent with the other kimi-k3 keys)")
     if cfg.indexer is not None and set(cfg.indexer.layers) != set(cfg.mla_layers):
-        raise GGUFError(f"{where}: {K.INDEXER_LAYERS} {list(cfg.indexer.layers)} must equal the MLA "
+        raise GGUFError(f"{where}: {K.INDEXER_TYPES} marks layers {list(cfg.indexer.layers)}; they must be the MLA "
                         f"layers {list(cfg.mla_layers)} (head_count_kv == 1)")
     for name, value in (("vocab_size", cfg.vocab_size), ("embedding_length", cfg.hidden_size),
                         ("block_count", cfg.num_layers), ("expert_count", cfg.num_experts),
@@ -248,6 +264,7 @@ class GGUFWeights:
     _files: list[_MappedFile] = field(repr=False)
     _ctx: Any = field(repr=False)
     _repacked: Repacked | None = field(default=None, repr=False)
+    notes: tuple[str, ...] = ()  # what the runner says about how the file was read
 
     @property
     def repacked(self) -> tuple[str, ...]:
@@ -316,7 +333,7 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
     first = open_gguf(path)
     paths = part_paths(path, first)
     readers = [first] + [open_gguf(p) for p in paths[1:]]
-    meta = read_metadata(readers)
+    meta, notes = upgrade_legacy_keys(read_metadata(readers), str(path))
     cfg = config_from_metadata(meta, str(path))
     found: dict[str, tuple[int, Any]] = {}
     for i, (p, r) in enumerate(zip(paths, readers)):
@@ -346,4 +363,4 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
         tensors[p.name] = gt
     if repacked is not None:
         tensors.update(repacked.tensors)
-    return GGUFWeights(path, cfg, meta, tensors, files, ctx, repacked)
+    return GGUFWeights(path, cfg, meta, tensors, files, ctx, repacked, notes)

@@ -15,7 +15,7 @@ from quant_rules.rules import QuantOptions, type_name
 
 from .console import human_size
 from .convert import gguf_metadata, output_files
-from .keys import ARCH
+from .keys import ARCH, dsa_key_lines
 from .resume import OutputFile
 from .split import SplitLimits
 from .tokenizer import TIKTOKEN_FILE
@@ -26,7 +26,7 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
                   split: SplitLimits = SplitLimits()) -> tuple[list[OutputFile], list[str]]:
     """(the files a conversion would write, notes on how the plan was made)."""
     types, source, cfg = listing_resolution(model_dir, quant, dsa=dsa)
-    notes = [source, *types.log]
+    notes = [source, *dsa_key_lines(cfg), *types.log]
     has_tokenizer = (model_dir / TIKTOKEN_FILE).is_file()
     kv = tuple(gguf_metadata(cfg, model_dir)) if has_tokenizer else ()
     layout = GGUFLayout(ARCH, kv, final_outputs(types))
@@ -40,7 +40,7 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
 
 def plan_lines(files: list[OutputFile], notes: list[str]) -> list[str]:
     """The printed plan: one line per tensor, one per file, one total."""
-    lines = [f"dry run: nothing written; {n}" for n in notes]
+    lines = ["dry run: nothing written", *notes]
     width = max((len(t.name) for f in files for t in f.layout.tensors), default=4)
     for f in files:
         lines.append(f"file {f.path}: {len(f.layout.tensors)} tensors, {f.size} bytes ({human_size(f.size)})")

@@ -16,8 +16,11 @@ QUANTIZATION_VERSION = 2
 INDEXER_HEAD_COUNT = f"{ARCH}.attention.indexer.head_count"
 INDEXER_KEY_LENGTH = f"{ARCH}.attention.indexer.key_length"
 INDEXER_TOP_K = f"{ARCH}.attention.indexer.top_k"
-INDEXER_LAYERS = f"{ARCH}.attention.indexer.layers"
-INDEXER_KEYS = (INDEXER_HEAD_COUNT, INDEXER_KEY_LENGTH, INDEXER_TOP_K, INDEXER_LAYERS)
+INDEXER_TYPES = f"{ARCH}.attention.indexer.types"
+INDEXER_KEYS = (INDEXER_HEAD_COUNT, INDEXER_KEY_LENGTH, INDEXER_TOP_K, INDEXER_TYPES)
+# The first key this project wrote for the DSA layers (0-based ids, arr[u32]); replaced by
+# INDEXER_TYPES (contract section 5, revision 2026-12). Readers still accept a GGUF that has only it.
+LEGACY_INDEXER_LAYERS = f"{ARCH}.attention.indexer.layers"
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,24 @@ DSA_KEYS: tuple[Key, ...] = (
     Key("attention.indexer.head_count", T.UINT32, lambda c: c.indexer.n_heads),
     Key("attention.indexer.key_length", T.UINT32, lambda c: c.indexer.head_dim),
     Key("attention.indexer.top_k", T.UINT32, lambda c: c.indexer.top_k),
-    Key("attention.indexer.layers", T.ARRAY, lambda c: list(c.indexer.layers), T.UINT32),
+    # llama.cpp's convention for per-layer indexer presence (its glm-dsa, glm5-next, hy-v4, dots3note
+    # loaders read {arch}.attention.indexer.types with get_key_or_arr): a bool per layer.
+    Key("attention.indexer.types", T.ARRAY, lambda c: indexer_types(c.num_layers, c.indexer.layers), T.BOOL),
 )
+
+
+def indexer_types(num_layers: int, dsa_layers: tuple[int, ...]) -> list[bool]:
+    """kimi-k3.attention.indexer.types: true exactly on the DSA layers."""
+    return [layer in dsa_layers for layer in range(num_layers)]
+
+
+def dsa_key_lines(cfg: K3Config) -> list[str]:
+    """The DSA keys as the dry run and --print-tensor-types show them (the bool array as the layers it
+    marks: 93 booleans do not read)."""
+    if cfg.indexer is None:
+        return [f"no DSA keys ({ARCH}.attention.indexer.*): a plain {ARCH} GGUF"]
+    lines = [f"{ARCH}.{k.name} = {k.value(cfg)}" for k in DSA_KEYS if k.vtype != T.ARRAY]
+    return lines + [f"{INDEXER_TYPES} = arr[bool, {cfg.num_layers}], true on layers {list(cfg.indexer.layers)}"]
 
 
 def model_keys(cfg: K3Config) -> list[tuple[str, Any, T, T | None]]:
