@@ -53,6 +53,8 @@ class ChatTemplate:
                                          **self._context)
         except jinja2.TemplateError as exc:  # raise_exception, sandbox violations, undefined names
             raise UsageError(f"{self.where}: chat template: {exc.message or exc}") from None
+        except RecursionError:  # a macro calling itself without end
+            raise UsageError(f"{self.where}: chat template: recursion too deep") from None
 
 
 def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: Path | None,

@@ -105,6 +105,8 @@ def compile_template(text: str, where: str, error: type[KimiError] = KimiError) 
         return _environment().from_string(text)
     except jinja2.TemplateSyntaxError as exc:
         raise error(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
+    except RecursionError:  # jinja's parser recurses on nesting: a file can make it overflow
+        raise error(f"{where}: chat template nested too deeply") from None
 
 
 def _from_tokenizer_config(path: Path) -> str | None:

@@ -150,3 +150,17 @@ def test_a_broken_checkpoint_template_is_bad_input(tmp_path, k3_tiny_dir, value,
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
     assert message in r.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_hostile_template_is_an_error_not_a_crash(tokenizer):
+    from gguf_arch.errors import KimiError
+    from ggml_graph_spec.chat import ChatTemplate
+
+    with pytest.raises(KimiError, match="nested too deeply"):
+        compile_template("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "deep")
+    endless = ChatTemplate("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "endless", tokenizer, {})
+    with pytest.raises(KimiError, match="recursion too deep"):
+        endless.render([], add_generation_prompt=True)
+    escape = ChatTemplate("{{ messages.__class__.__mro__ }}", "escape", tokenizer, {})
+    with pytest.raises(KimiError, match="chat template"):  # the sandbox refuses Python internals
+        escape.render([], add_generation_prompt=True)
