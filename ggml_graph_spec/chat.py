@@ -21,8 +21,8 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import jinja2
 
-from gguf_arch.chat_template import K3_CHAT_TEMPLATE, compile_template
-from gguf_arch.console import UsageError
+from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, compile_template
+from gguf_arch.io.console import UsageError
 
 from .generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
 from .model import Model

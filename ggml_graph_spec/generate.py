@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence, TextIO
 
 import numpy as np
 
-from gguf_arch.console import UsageError
+from gguf_arch.io.console import UsageError
 
 from .model import Model
 from .sampling import Sampler

@@ -16,7 +16,7 @@ from typing import Any
 
 import ggml
 
-from gguf_arch.console import human_size
+from gguf_arch.io.console import human_size
 from gguf_arch.errors import GGUFError
 
 _last_log_level = ggml.GGML_LOG_LEVEL_INFO

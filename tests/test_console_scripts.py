@@ -22,8 +22,8 @@ from tests.support.paths import REPO
 # How each console script (setup.cfg) is started from a checkout.
 TOOLS = {
     "convert-kimi-k3": [sys.executable, str(REPO / "convert_kimi_k3.py")],
-    "kimi-k3-synth": [sys.executable, "-m", "gguf_arch.synth"],
-    "kimi-k3-diff": [sys.executable, "-m", "gguf_arch.diff"],
+    "kimi-k3-synth": [sys.executable, "-m", "gguf_arch.synth.cli"],
+    "kimi-k3-diff": [sys.executable, "-m", "gguf_arch.verify.diff"],
     "kimi-k3-cli": [sys.executable, "-m", "ggml_graph_spec"],
 }
 
@@ -72,7 +72,7 @@ def test_version_needs_nothing_else(tool):
 
 
 def test_synth_help_explains_every_argument():
-    from gguf_arch.synth import _parser
+    from gguf_arch.synth.cli import _parser
 
     unexplained = [a.dest for a in _parser()._actions if not a.help]
     assert unexplained == []

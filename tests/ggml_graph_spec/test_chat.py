@@ -7,14 +7,14 @@ import io
 import numpy as np
 import pytest
 
-from gguf_arch.chat_template import K3_CHAT_TEMPLATE
+from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
 from ggml_graph_spec.chat import ChatTemplate, Conversation, LineReader, ReplyFilter
 from ggml_graph_spec.generate import Interrupt, StopRules, Timings
 from ggml_graph_spec.model import Model
 from ggml_graph_spec.sampling import Sampler, SamplingParams
 from ggml_graph_spec.tokenizer import BPETokenizer
 
-from tests.ggml_graph_spec.test_model import LOGITS_ATOL
+from tests.support.reference import LOGITS_ATOL
 
 OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gguf_arch.chat_template import K3_CHAT_TEMPLATE
+from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
 from gguf_arch.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from ggml_graph_spec.chat import ChatTemplate, Conversation
 from ggml_graph_spec.generate import StopRules, Timings
@@ -21,7 +21,7 @@ from ggml_graph_spec.model import Model
 from ggml_graph_spec.sampling import Sampler, SamplingParams
 from ggml_graph_spec.tokenizer import BPETokenizer
 
-from tests.ggml_graph_spec.test_cli_flags import cli
+from tests.support.cli import run_runner as cli
 from tests.support.paths import REPO
 
 CHAT = ("-cnv", "-n", "6", "--temp", "0", "-c", "1024", "-t", "2", "--exact-experts")

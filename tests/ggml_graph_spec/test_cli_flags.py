@@ -18,15 +18,11 @@ from gguf_arch.errors import EXIT_INTERRUPTED
 from ggml_graph_spec.cli import build_parser, run_mode
 from ggml_graph_spec.tokenizer import BPETokenizer
 
+from tests.support.cli import run_runner as cli
 from tests.support.paths import REPO
 
 PROMPT = "[BOS]The old woman sold honey in small"  # the fixtures' short prompt
 SAMPLED = ("--temp", "1.5", "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0")
-
-
-def cli(*argv, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ggml_graph_spec", *map(str, argv)], cwd=REPO, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def complete(gguf, *argv, n: int = 6) -> subprocess.CompletedProcess:
