@@ -145,6 +145,12 @@ INDEXER_HEAD_COUNT, INDEXER_KEY_LENGTH, INDEXER_TOP_K, INDEXER_TYPES = INDEXER_K
 # INDEXER_TYPES (contract section 5, revision 2026-12). Readers still accept a GGUF with only it.
 LEGACY_INDEXER_LAYERS = f"{ARCH}.attention.indexer.layers"
 
+# A GGUF made by kimi-k3-prune (arch/pruned.py): the checkpoint's expert count, and for every MoE
+# layer in layer order the original ids of its expert_count kept experts (one flat array).
+PRUNED_EXPERT_COUNT = f"{ARCH}.pruned.original_expert_count"
+PRUNED_KEPT_EXPERTS = f"{ARCH}.pruned.kept_experts"
+EXPERT_COUNT = next(k.full_name for k in ARCH_KEYS if k.field == "num_experts")  # what a pruned file holds
+
 # Fields no key stores, because llama.cpp's kimi-k3 graph hard-wires them; the loader's tensor
 # check rejects a file whose layout disagrees.
 NOT_STORED: dict[str, Any] = {"moe_layer_freq": 1, "latent_moe_use_norm": True, "mxfp4_group_size": BLOCK}
