@@ -12,3 +12,4 @@ FIXTURES = REPO / "tests" / "fixtures"
 K3_TINY = FIXTURES / "k3-tiny"
 K31PRO_TINY = FIXTURES / "k31pro-tiny"
 REFERENCE = FIXTURES / "reference"
+TEXT = FIXTURES / "text" / "lighthouse.txt"  # prose for perplexity and importance matrices
