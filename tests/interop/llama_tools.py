@@ -47,3 +47,26 @@ def run_tool(tool: str, *args: str | Path, cwd: Path | None = None) -> subproces
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, f"{tool} exited with {r.returncode}: {r.stderr[-3000:]}"
     return r
+
+
+# llama-cli is chat-first (no -no-cnv in this build): it renders the prompt with a chat template
+# before tokenizing it. This template renders the user's text as it is, so the tokens llama-cli
+# evaluates are the prompt's own; llama-cli then tokenizes it with special tokens parsed
+# ("[BOS]" is the BOS token) and adds BOS only if the GGUF says so (ours: add_bos_token false).
+RAW_TEMPLATE = "{%- for message in messages -%}{{- message['content'] -}}{%- endfor -%}"
+_END_OF_REPLY = b"\n\n[ Prompt: "
+
+
+def llama_cli(gguf: Path, prompt: str, n_predict: int, tmp_path: Path, *flags: str) -> str:
+    """The text llama-cli prints for a single greedy turn on `prompt` (special tokens as text;
+    bytes that are not valid UTF-8 come out as U+FFFD, as BPETokenizer.decode gives them)."""
+    template = tmp_path / "raw.jinja"
+    template.write_text(RAW_TEMPLATE, encoding="utf-8")
+    cmd = [str(llama_bin() / "llama-cli"), "-m", str(gguf), "-p", prompt, "-n", str(n_predict), "--temp", "0",
+           "-t", "2", "-st", "--chat-template-file", str(template), "--special", *flags]
+    r = subprocess.run(cmd, capture_output=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"llama-cli exited with {r.returncode}: {r.stderr[-3000:]!r}"
+    # stdout: a banner, "> PROMPT\n", the reply, "\n\n[ Prompt: N t/s | Generation: N t/s ]".
+    head = b"\n> " + prompt.encode() + b"\n"
+    start = r.stdout.index(head) + len(head)
+    return r.stdout[start:r.stdout.index(_END_OF_REPLY, start)].decode("utf-8")
