@@ -63,7 +63,7 @@ TIER_MODEL = ["--variant", "k3", "--layers", "8", "--experts", "8", "--experts-p
 # i-quants only with one: llama-quantize refuses them without).
 TIERS: tuple[tuple[Q, bool], ...] = tuple(
     (t, im) for t in LLAMA_QUANTIZE_TYPES for im in (False, True) if im or t not in NEEDS_IMATRIX)
-EVAL_CHUNKS, EVAL_CTX = 4, 128
+EVAL_CHUNKS, EVAL_CTX = 7, 128
 IMATRIX_CTX = 128
 THREADS = 2
 
@@ -92,12 +92,12 @@ def tool(name: str) -> Path:
     return llama_quantize.find_tool(name)
 
 
-def make_imatrix(gguf: Path, workdir: Path) -> Path:
-    """llama-imatrix over the calibration half of the text."""
+def make_imatrix(gguf: Path, workdir: Path, chunks: int = -1) -> Path:
+    """llama-imatrix over the calibration half of the text (at most `chunks` chunks; -1: all)."""
     calib, out = workdir / "calibration.txt", workdir / "tier-imatrix.gguf"
     calib.write_text(calibration_and_evaluation()[0], encoding="utf-8")
     cmd = [str(tool("llama-imatrix")), "-m", str(gguf), "-f", str(calib), "-o", str(out), "-c", str(IMATRIX_CTX),
-           "-b", str(IMATRIX_CTX), "-t", str(THREADS), "--no-ppl"]
+           "-b", str(IMATRIX_CTX), "-t", str(THREADS), "--no-ppl", "--chunks", str(chunks)]
     r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise RuntimeError(f"llama-imatrix failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -115,6 +115,11 @@ def make_tier(gguf: Path, t: Q, imatrix: Path | None, workdir: Path) -> Path:
     if rc != 0:
         raise RuntimeError(f"kimi-k3-quantize {' '.join(argv)} exited with {rc}")
     return out
+
+
+def tensor_bytes(gguf: Path) -> int:
+    """The tensor data of a GGUF: its layout, without the metadata (which names the imatrix file)."""
+    return sum(int(t.n_bytes) for t in GGUFReader(gguf).tensors)
 
 
 def expert_bits(gguf: Path) -> float:
@@ -186,6 +191,7 @@ def measure(workdir: Path) -> dict:
 def _row(name: str, t: Q, with_im: bool, gguf: Path, f: Fidelity, quantize_s: float | None = None) -> dict:
     assert abs(expert_bits(gguf) - type_bits(t)) < 1e-9  # every expert tensor is at the tier's type
     return {"tier": name, "type": t.name.lower(), "imatrix": with_im, "file_bytes": gguf.stat().st_size,
+            "tensor_bytes": tensor_bytes(gguf),
             "expert_bits_per_weight": type_bits(t), "kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1,
             "quantize_s": quantize_s, "k31pro_projected_bytes": k31pro_bytes(t)}
 

@@ -123,29 +123,36 @@ def plan(tensors: Sequence[TypedTensor], expert_type: Q, options: QuantOptions,
 
 
 def check_imatrix(resolution: Resolution, imatrix: Path | None) -> None:
-    """The very-low-bit types llama-quantize writes only with an importance matrix for the tensor."""
+    """The very-low-bit types llama-quantize writes only with an importance matrix for the tensor,
+    and an imatrix that fits the tensors it has data for (llama-quantize aborts on a size mismatch)."""
     needs = [d for d in resolution.decisions if d.final_type in NEEDS_IMATRIX and d.final_type != d.contract_type]
-    if not needs:
-        return
     if imatrix is None:
-        d = needs[0]
-        raise QuantRuleError(f"{d.name}: {type_name(d.final_type)} needs an importance matrix: pass --imatrix "
-                             "IM.gguf (made by llama-imatrix); llama-quantize refuses it without one")
-    covered = imatrix_entries(imatrix)
-    missing = [d.name for d in needs if d.name not in covered]
+        if needs:
+            raise QuantRuleError(f"{needs[0].name}: {type_name(needs[0].final_type)} needs an importance matrix: "
+                                 "pass --imatrix IM.gguf (made by llama-imatrix); llama-quantize refuses it without one")
+        return
+    entries = imatrix_entries(imatrix)
+    for d in resolution.decisions:
+        # One sum per input column, per expert for the stacked experts (ne0 * ne2).
+        want = d.shape[-1] * (d.shape[0] if len(d.shape) == 3 else 1)
+        if d.name in entries and d.final_type != d.contract_type and entries[d.name] != want:
+            raise QuantRuleError(f"{imatrix}: the entry for {d.name} has {entries[d.name]} values, the tensor needs "
+                                 f"{want}: an importance matrix of another model?")
+    missing = [d.name for d in needs if d.name not in entries]
     if missing:
         raise QuantRuleError(f"{imatrix}: no importance data for {missing[0]} ({len(missing)} tensor(s) "
                              f"without), which {type_name(needs[0].final_type)} needs")
 
 
-def imatrix_entries(path: Path) -> set[str]:
-    """The weight names an imatrix GGUF (llama-imatrix's format) has data for."""
+def imatrix_entries(path: Path) -> dict[str, int]:
+    """Weight name -> number of values, for every entry of an imatrix GGUF (llama-imatrix's format)."""
     reader = open_gguf(path)
     kind = reader.fields.get("general.type")
     if kind is None or kind.contents() != "imatrix":
         raise QuantRuleError(f"{path}: not an imatrix GGUF (general.type is not 'imatrix'); make one with "
                              "llama-imatrix")
-    return {t.name.removesuffix(".in_sum2") for t in reader.tensors if t.name.endswith(".in_sum2")}
+    suffix = ".in_sum2"
+    return {t.name.removesuffix(suffix): int(t.n_elements) for t in reader.tensors if t.name.endswith(suffix)}
 
 
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -205,15 +212,15 @@ def run_llama_quantize(cmd: list[str]) -> None:
 
 def check_output(path: Path, resolution: Resolution) -> None:
     """OUT holds exactly the planned tensors at the planned types, and the graph's loader takes it."""
-    got = {t.name: t.contract_type for t in read_gguf_tensors(path)}
+    try:
+        got = {t.name: t.contract_type for t in read_gguf_tensors(path)}
+        load_gguf(path).close()
+    except GGUFError as exc:
+        raise ToolError(f"llama-quantize's output is not a GGUF the graph loads: {exc}") from None
     for d in resolution.decisions:
         if got.get(d.name) != d.final_type:
             found = "missing" if d.name not in got else type_name(got[d.name])
             raise ToolError(f"llama-quantize wrote {d.name} as {found}, planned {type_name(d.final_type)}")
-    try:
-        load_gguf(path).close()
-    except GGUFError as exc:
-        raise ToolError(f"the graph's loader refuses llama-quantize's output: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------
