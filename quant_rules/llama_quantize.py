@@ -48,8 +48,6 @@ from .rules import (Decision, ProtectedSet, QuantOptions, QuantRuleError, Resolu
 LLAMA_BIN_ENV = "KIMI_K3_LLAMA_BIN"  # scripts/setup_env.sh exports the built tools' directory
 # Types a --tensor-type rule may name: the kimi-k3-quantize types and the float ones.
 RULE_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, *LLAMA_QUANTIZE_TYPES)
-# llama-quantize's name for a TYPE where it is not the ggml type's own.
-_FTYPE_NAMES = {Q.MXFP4: "MXFP4_MOE"}
 
 
 class ToolError(KimiError):
@@ -181,7 +179,9 @@ def pin_rules(resolution: Resolution) -> list[str]:
 
 def quantize_command(tool: Path, src: Path, dst: Path, rules: Path, expert_type: Q, imatrix: Path | None,
                      threads: int) -> list[str]:
-    ftype = _FTYPE_NAMES.get(expert_type, expert_type.name)
+    # llama-quantize's file type of that name (Q4_K: its alias for Q4_K_M) only labels the output
+    # (general.file_type) and picks its default type, which no tensor gets: every one is pinned.
+    ftype = expert_type.name
     cmd = [str(tool), "--allow-requantize", "--tensor-type-file", str(rules)]
     if imatrix is not None:
         cmd += ["--imatrix", str(imatrix)]
