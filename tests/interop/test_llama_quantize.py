@@ -8,11 +8,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
-import convert_kimi_k3
 from ggml_graph_spec.model import Model
-from gguf_arch import synth
 from quant_rules import llama_quantize
 from quant_rules.rules import load_protected_set
+from tests.support.generated import ROWS_256, generated_gguf
 
 from .llama_tools import llama_bin
 
@@ -24,12 +23,8 @@ def _tools():
 
 @pytest.fixture(scope="module")
 def dsa_gguf(tmp_path_factory):
-    """A K3.1-Pro GGUF (indexer kept) whose expert rows (256) fit the 256-wide blocks."""
-    d = tmp_path_factory.mktemp("dsa256")
-    assert synth.main([str(d / "model"), "--variant", "k31pro", "--layers", "4", "--experts", "4",
-                       "--latent", "256", "--moe-intermediate", "256"]) == 0
-    assert convert_kimi_k3.main([str(d / "model"), str(d / "model.gguf"), "--quiet"]) == 0
-    return d / "model.gguf"
+    """A K3.1-Pro GGUF (indexer kept) whose expert rows fit the 256-wide blocks."""
+    return generated_gguf(tmp_path_factory.mktemp("dsa256"), "k31pro", *ROWS_256)
 
 
 def test_only_the_experts_change_and_the_result_runs_with_dsa(dsa_gguf, tmp_path, monkeypatch):

@@ -10,10 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
-import convert_kimi_k3
-from gguf_arch import synth
 from quant_rules import llama_quantize as lq
 from quant_rules.rules import QuantOptions, QuantRuleError, load_protected_set, parse_tensor_type
+from tests.support.generated import ROWS_256, generated_gguf
 
 
 def _plan(gguf, expert_type: Q, *rules: str):
@@ -67,12 +66,7 @@ def test_the_pins_give_every_tensor_its_planned_type_under_first_match(k31pro_ti
 
 @pytest.fixture(scope="module")
 def rows_256_gguf(tmp_path_factory):
-    """A K3 model whose expert rows (latent 256, expert width 256) fit the 256-wide blocks."""
-    d = tmp_path_factory.mktemp("rows256")
-    assert synth.main([str(d / "model"), "--variant", "k3", "--layers", "4", "--experts", "4",
-                       "--latent", "256", "--moe-intermediate", "256"]) == 0
-    assert convert_kimi_k3.main([str(d / "model"), str(d / "model.gguf"), "--quiet"]) == 0
-    return d / "model.gguf"
+    return generated_gguf(tmp_path_factory.mktemp("rows256"), "k3", *ROWS_256)
 
 
 def test_very_low_bit_types_need_an_importance_matrix(tmp_path, rows_256_gguf):
