@@ -9,6 +9,8 @@
 set -euo pipefail
 ROOT="${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 VPY="${VPY:-python3}"
+LOGS="${LOGS:-$ROOT/.venv/setup-logs}"
+source "$ROOT/scripts/setup_step.sh"
 
 LLAMA_TOOLS=(llama-cli llama-completion llama-perplexity llama-imatrix llama-quantize llama-gguf-split)
 # Static binaries (the cache directory can move), no network at build time (no curl, no OpenSSL,
@@ -16,33 +18,12 @@ LLAMA_TOOLS=(llama-cli llama-completion llama-perplexity llama-imatrix llama-qua
 LLAMA_CMAKE_OPTS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF)
+LLAMA_VERSION="$(grep -Eo 'llama-cpp-python==[0-9.]+' "$ROOT/setup.cfg" | head -n1 | cut -d= -f3)"
 
 llama_tools_dir() {
-    local version recipe
-    version="$(grep -Eo 'llama-cpp-python==[0-9.]+' "$ROOT/setup.cfg" | head -n1 | cut -d= -f3)"
-    recipe="$(printf '%s\n' "$version" "${LLAMA_CMAKE_OPTS[@]}" "${LLAMA_TOOLS[@]}" | sha256sum | cut -c1-12)"
-    echo "${KIMI_K3_CACHE:-$HOME/.cache/kimi-k3-gguf}/llama.cpp-$version-$recipe"
-}
-
-llama_tools_build() {
-    local dest="$1" version tmp log start
-    version="${dest##*/llama.cpp-}"; version="${version%-*}"
-    mkdir -p "$(dirname "$dest")"
-    tmp="$(mktemp -d "$dest.partial.XXXXXX")"
-    log="$tmp/build.log"
-    echo "building llama.cpp tools from llama-cpp-python $version (about 6 minutes on 2 cores): ${LLAMA_TOOLS[*]}" >&2
-    echo "  into $dest (log: $log)" >&2
-    start=$SECONDS
-    if ! llama_tools_steps "$tmp" "$version" >"$log" 2>&1; then
-        echo "error: building llama.cpp tools failed; last lines of $log:" >&2
-        tail -n 40 "$log" >&2
-        return 1
-    fi
-    echo "  built in $((SECONDS - start)) s" >&2
-    mv "$log" "$tmp/bin/build.log"
-    rm -rf "$tmp/src" "$tmp/build" "$tmp/sdist"
-    # A concurrent setup may have finished first: its build is as good as ours.
-    if [ -e "$dest" ]; then rm -rf "$tmp"; else mv -T "$tmp" "$dest"; fi
+    local recipe
+    recipe="$(printf '%s\n' "$LLAMA_VERSION" "${LLAMA_CMAKE_OPTS[@]}" "${LLAMA_TOOLS[@]}" | sha256sum | cut -c1-12)"
+    echo "${KIMI_K3_CACHE:-$HOME/.cache/kimi-k3-gguf}/llama.cpp-$LLAMA_VERSION-$recipe"
 }
 
 llama_tools_complete() {
@@ -52,18 +33,37 @@ llama_tools_complete() {
     done
 }
 
+# The build proper, in TMP: sdist, sources, cmake build, then TMP/bin with the tools. Each step
+# checks its own status: setup_step tests this function's, and bash ignores `set -e` in there.
 llama_tools_steps() {
-    local tmp="$1" version="$2" tool
+    local tmp="$1" tool
     "$VPY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
-        "llama-cpp-python==$version" -d "$tmp/sdist"
-    mkdir -p "$tmp/src"
-    tar -xzf "$tmp/sdist"/llama_cpp_python-"$version".tar.gz -C "$tmp/src" --strip-components=1
-    nice -n 10 cmake -S "$tmp/src/vendor/llama.cpp" -B "$tmp/build" "${LLAMA_CMAKE_OPTS[@]}"
-    nice -n 10 cmake --build "$tmp/build" -j "$(nproc)" --target "${LLAMA_TOOLS[@]}"
-    mkdir -p "$tmp/bin"
+        "llama-cpp-python==$LLAMA_VERSION" -d "$tmp/sdist" || return
+    mkdir -p "$tmp/src" "$tmp/bin" || return
+    tar -xzf "$tmp/sdist/llama_cpp_python-$LLAMA_VERSION.tar.gz" -C "$tmp/src" --strip-components=1 || return
+    nice -n 10 cmake -S "$tmp/src/vendor/llama.cpp" -B "$tmp/build" "${LLAMA_CMAKE_OPTS[@]}" || return
+    nice -n 10 cmake --build "$tmp/build" -j "$(nproc)" --target "${LLAMA_TOOLS[@]}" || return
     for tool in "${LLAMA_TOOLS[@]}"; do
-        cp "$tmp/build/bin/$tool" "$tmp/bin/$tool"
+        cp "$tmp/build/bin/$tool" "$tmp/bin/$tool" || return
     done
+}
+
+llama_tools_build() {
+    local dest="$1" tmp rc=0
+    mkdir -p "$(dirname "$dest")" "$LOGS"
+    # What an interrupted build left (a day old: not one running beside us right now).
+    find "$(dirname "$dest")" -maxdepth 1 -name "$(basename "$dest").partial.*" -mmin +1440 -exec rm -rf {} +
+    tmp="$(mktemp -d "$dest.partial.XXXXXX")"
+    chmod 755 "$tmp"
+    setup_step llama-tools "building llama.cpp's tools from llama-cpp-python $LLAMA_VERSION into $dest (about 6 minutes on 2 cores): ${LLAMA_TOOLS[*]}" -- \
+        llama_tools_steps "$tmp" || rc=$?
+    rm -rf "$tmp/src" "$tmp/build" "$tmp/sdist"
+    if [ "$rc" -ne 0 ]; then
+        rm -rf "$tmp"
+        return "$rc"
+    fi
+    # A concurrent setup may have finished first: its build is as good as ours.
+    if [ -e "$dest" ]; then rm -rf "$tmp"; else mv -T "$tmp" "$dest"; fi
 }
 
 LLAMA_TOOLS_DIR="$(llama_tools_dir)"
