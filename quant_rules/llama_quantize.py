@@ -114,9 +114,10 @@ def plan(tensors: Sequence[TypedTensor], expert_type: Q, options: QuantOptions,
         token_embedding_type=options.token_embedding_type), trunk)
     for d in resolution.decisions:
         if d.fell_back_from is not None:  # llama-quantize would silently pick another type
+            block = GGML_QUANT_SIZES[d.fell_back_from][0]
             raise QuantRuleError(f"{d.name}: row length {d.shape[-1]} is not a multiple of the "
-                                 f"{type_name(d.fell_back_from)} block size {GGML_QUANT_SIZES[d.fell_back_from][0]}; choose a type with a smaller "
-                                 "block for it (--tensor-type)")
+                                 f"{type_name(d.fell_back_from)} block size {block}; choose a type with a "
+                                 "smaller block for it (--tensor-type)")
     return resolution
 
 
@@ -126,8 +127,9 @@ def check_imatrix(resolution: Resolution, imatrix: Path | None) -> None:
     needs = [d for d in resolution.decisions if d.final_type in NEEDS_IMATRIX and d.final_type != d.contract_type]
     if imatrix is None:
         if needs:
-            raise QuantRuleError(f"{needs[0].name}: {type_name(needs[0].final_type)} needs an importance matrix: "
-                                 "pass --imatrix IM.gguf (made by llama-imatrix); llama-quantize refuses it without one")
+            d = needs[0]
+            raise QuantRuleError(f"{d.name}: {type_name(d.final_type)} needs an importance matrix: pass --imatrix "
+                                 "IM.gguf (made by llama-imatrix); llama-quantize refuses it without one")
         return
     entries = imatrix_entries(imatrix)
     for d in resolution.decisions:
@@ -167,7 +169,8 @@ def pin_rules(resolution: Resolution) -> list[str]:
     for template, ds in by_template.items():
         types = {d.final_type for d in ds}
         if len(types) == 1 and template.startswith("blk.N."):
-            lines.append("^blk\\.[0-9]+\\." + re.escape(template[6:]) + f"$={type_name(types.pop())}")
+            rest = re.escape(template.removeprefix("blk.N."))
+            lines.append(f"^blk\\.[0-9]+\\.{rest}$={type_name(types.pop())}")
         else:
             lines.extend(f"^{re.escape(d.name)}$={type_name(d.final_type)}" for d in ds)
     return lines
