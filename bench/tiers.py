@@ -48,16 +48,17 @@ from gguf import GGUFReader  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 import convert_kimi_k3  # noqa: E402
+import kimi_k3_quantize  # noqa: E402
 from ggml_graph_spec.model import Model  # noqa: E402
 from ggml_graph_spec.tokenizer import BPETokenizer  # noqa: E402
-from gguf_arch import synth  # noqa: E402
+from gguf_arch.synth import cli as synth  # noqa: E402
 from quant_rules import llama_quantize  # noqa: E402
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES, NEEDS_IMATRIX  # noqa: E402
 from quant_rules.rules import load_protected_set  # noqa: E402
 from tests.support.paths import TEXT  # noqa: E402  (the prose fixture)
 
 RESULTS = REPO / "bench" / "results" / "tiers.json"
-TIER_MODEL = ["--variant", "k3", "--layers", "8", "--experts", "8", "--experts-per-token", "2",
+TIER_MODEL = ["--variant", "k3", "--layers", "4", "--experts", "8", "--experts-per-token", "2",
               "--latent", "256", "--moe-intermediate", "256", "--seed", "0"]
 # Every type kimi-k3-quantize offers, without and with the importance matrix (the very-low-bit
 # i-quants only with one: llama-quantize refuses them without).
@@ -111,7 +112,7 @@ def tier_name(t: Q, imatrix: bool) -> str:
 def make_tier(gguf: Path, t: Q, imatrix: Path | None, workdir: Path) -> Path:
     out = workdir / f"tier-{tier_name(t, imatrix is not None)}.gguf"
     argv = [str(gguf), str(out), t.name.lower(), "--overwrite", "-t", str(THREADS)]
-    rc = llama_quantize.main(argv + (["--imatrix", str(imatrix)] if imatrix is not None else []))
+    rc = kimi_k3_quantize.main(argv + (["--imatrix", str(imatrix)] if imatrix is not None else []))
     if rc != 0:
         raise RuntimeError(f"kimi-k3-quantize {' '.join(argv)} exited with {rc}")
     return out

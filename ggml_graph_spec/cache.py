@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ggml
 
-from gguf_arch.config import K3Config
+from gguf_arch.arch.config import K3Config
 
 from .graph import F16, F32, new_tensor
 

@@ -14,7 +14,10 @@ from typing import Any, Callable, Iterable, Iterator
 import ggml
 import numpy as np
 
-from gguf_arch.config import K3Config
+from gguf_arch.arch.config import K3Config
+
+# What every builder passes around: a node of the graph (or a weight) as ggml-python's pointer.
+Tensor = ggml.ggml_tensor_p
 
 F32 = ggml.GGML_TYPE_F32
 F16 = ggml.GGML_TYPE_F16

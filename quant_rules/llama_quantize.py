@@ -1,5 +1,5 @@
-"""kimi-k3-quantize IN.gguf OUT.gguf TYPE: llama.cpp's own `llama-quantize` with this project's
-protected set, so the routed experts can go below 4 bits and nothing else moves by accident.
+"""llama.cpp's own `llama-quantize` with this project's protected set, so the routed experts can
+go below 4 bits and nothing else moves by accident (the CLI: kimi_k3_quantize.py).
 
 Every tensor's type is decided here first (quant_rules.rules.resolve_types, the converter's
 resolver): the protected tensors (protected.json: DSA indexer projections at source precision,
@@ -9,38 +9,33 @@ matching rule wins, as in llama-quantize), then the routed experts get TYPE and 
 tensor keeps its type. llama-quantize is then handed one `PATTERN=TYPE` pin for every tensor
 (anchored patterns, a layer template per rule where all its layers agree), so none of its own
 mixture rules (Q4_K_M's Q6_K ffn_down, ...) or fallbacks applies; its output is checked tensor by
-tensor against the plan and loaded by the graph's loader before it is renamed into place.
+tensor against the plan (and by the caller: the CLI has the graph's loader take it) before it is
+renamed into place.
 
 MXFP4 experts are dequantized by llama-quantize and quantized again (double quantization:
 `--allow-requantize` is always passed); bench/tiers.py measures what each TYPE costs.
-
-Exit codes: 0 written; 1 llama-quantize not found or failed, the output exists, I/O error;
-2 bad input (IN, TYPE, a rule, the imatrix); 130 interrupted (no partial output is left).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Sequence
 
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
-from ggml_graph_spec.loader import load_gguf
-from gguf_arch.errors import EXIT_RUNTIME, GGUFError, KimiError, OutputError, run_cli
-from gguf_arch.gguf_file import open_gguf
-from gguf_arch.split import part_paths
+from gguf_arch.errors import EXIT_RUNTIME, GGUFError, KimiError
+from gguf_arch.io.gguf_file import open_gguf
+from gguf_arch.io.split import part_paths
 
-from .cli_options import format_tensor_types, read_tensor_type_file
+from .options import read_tensor_type_file
 from .llama_types import LLAMA_QUANTIZE_TYPES, NEEDS_IMATRIX
 from .rules import (Decision, ProtectedSet, QuantOptions, QuantRuleError, Resolution, TensorTypeRule, TypedTensor,
                     load_protected_set, parse_tensor_type, parse_type, resolve_types, type_name)
@@ -214,69 +209,42 @@ def run_llama_quantize(cmd: list[str]) -> None:
 
 
 def check_output(path: Path, resolution: Resolution) -> None:
-    """OUT holds exactly the planned tensors at the planned types, and the graph's loader takes it."""
+    """llama-quantize's output holds exactly the planned tensors at the planned types."""
     try:
         got = {t.name: t.contract_type for t in read_gguf_tensors(path)}
-        load_gguf(path).close()
     except GGUFError as exc:
-        raise ToolError(f"llama-quantize's output is not a GGUF the graph loads: {exc}") from None
+        raise ToolError(f"llama-quantize's output is not a readable GGUF: {exc}") from None
     for d in resolution.decisions:
         if got.get(d.name) != d.final_type:
             found = "missing" if d.name not in got else type_name(got[d.name])
             raise ToolError(f"llama-quantize wrote {d.name} as {found}, planned {type_name(d.final_type)}")
 
 
-# ---------------------------------------------------------------------------------------------
-# command line
-# ---------------------------------------------------------------------------------------------
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise QuantRuleError(f"{self.prog}: {message} (see --help)")  # one line, exit code 2
-
-
-def _parser() -> argparse.ArgumentParser:
-    types = ", ".join(type_name(t) for t in LLAMA_QUANTIZE_TYPES)
-    p = _Parser(prog="kimi-k3-quantize", description="Requantize a kimi-k3 GGUF's routed experts with llama.cpp's "
-                "llama-quantize, keeping the protected tensors (quant_rules/protected.json) at their types.")
-    p.add_argument("input", type=Path, metavar="IN.gguf", help="a kimi-k3 GGUF (single file or first part)")
-    p.add_argument("output", type=Path, metavar="OUT.gguf")
-    p.add_argument("type", metavar="TYPE", help=f"the routed experts' type: {types}")
-    p.add_argument("--imatrix", type=Path, metavar="IM.gguf", help="importance matrix from llama-imatrix "
-                   f"(required for {', '.join(type_name(t) for t in LLAMA_QUANTIZE_TYPES if t in NEEDS_IMATRIX)})")
-    p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
-                   help="llama-quantize-style override for unprotected tensors, experts included; the first "
-                        "matching rule wins, before TYPE")
-    p.add_argument("--tensor-type-file", action="append", default=[], type=Path, metavar="FILE",
-                   help="PATTERN=TYPE rules, whitespace-separated, '#' starts a comment")
-    p.add_argument("--output-tensor-type", metavar="TYPE", help="type of output.weight (default: kept)")
-    p.add_argument("--token-embedding-type", metavar="TYPE", help="type of token_embd.weight (default: kept)")
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="llama-quantize threads")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--print-tensor-types", action="store_true",
-                   help="print each tensor's type in IN and OUT and the rule that decides it; write nothing")
-    return p
+def quantize(src: Path, out: Path, resolution: Resolution, expert_type: Q, imatrix: Path | None, threads: int,
+             accept: Callable[[Path], None]) -> None:
+    """Have llama-quantize write OUT as planned: into a temporary directory beside OUT, checked
+    (check_output, then `accept`, which raises to refuse it), then renamed; nothing is left under
+    OUT otherwise, Ctrl-C included."""
+    tool = find_tool("llama-quantize")
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        rules, partial = Path(tmp) / "rules.txt", Path(tmp) / out.name
+        rules.write_text("".join(line + "\n" for line in pin_rules(resolution)), encoding="utf-8")
+        run_llama_quantize(quantize_command(tool, src, partial, rules, expert_type, imatrix, threads))
+        check_output(partial, resolution)
+        accept(partial)
+        os.replace(partial, out)
 
 
-def _options(args: argparse.Namespace) -> QuantOptions:
-    rules = [parse_tensor_type(r, allowed=RULE_TYPES) for r in args.tensor_type]
-    for path in args.tensor_type_file:
-        rules.extend(read_tensor_type_file(path, RULE_TYPES))
+def options_for(rules: Sequence[str], files: Sequence[Path], output_tensor_type: str | None,
+                token_embedding_type: str | None) -> QuantOptions:
+    """QuantOptions from the --tensor-type rules and files and the two named-tensor types."""
+    parsed = [parse_tensor_type(r, allowed=RULE_TYPES) for r in rules]
+    for path in files:
+        parsed.extend(read_tensor_type_file(path, RULE_TYPES))
     pick = lambda text, what: None if text is None else parse_type(text, RULE_TYPES, what)  # noqa: E731
-    return QuantOptions(tensor_types=tuple(rules),
-                        output_tensor_type=pick(args.output_tensor_type, "--output-tensor-type"),
-                        token_embedding_type=pick(args.token_embedding_type, "--token-embedding-type"))
-
-
-def _check_paths(args: argparse.Namespace) -> None:
-    if args.imatrix is not None and not args.imatrix.is_file():
-        raise QuantRuleError(f"{args.imatrix}: --imatrix file not found")
-    if args.output.exists() and args.output.resolve() == args.input.resolve():
-        raise QuantRuleError(f"{args.output}: the output would overwrite the input")
-    if args.output.exists() and not args.overwrite:
-        raise OutputError(f"{args.output}: exists (pass --overwrite to replace it)")
-    if args.threads < 1:
-        raise QuantRuleError(f"--threads {args.threads}: must be >= 1")
+    return QuantOptions(tensor_types=tuple(parsed),
+                        output_tensor_type=pick(output_tensor_type, "--output-tensor-type"),
+                        token_embedding_type=pick(token_embedding_type, "--token-embedding-type"))
 
 
 def routed_experts(resolution: Resolution, protected: ProtectedSet | None = None) -> list[Decision]:
@@ -293,35 +261,3 @@ def summary_line(out: Path, resolution: Resolution) -> str:
     types = "/".join(sorted({type_name(d.final_type) for d in experts}))
     return (f"wrote {out}: {out.stat().st_size:,} bytes; routed experts {types}, "
             f"{bits_per_weight(experts):.4g} bits per weight")
-
-
-def run(args: argparse.Namespace) -> None:
-    expert_type = parse_type(args.type, LLAMA_QUANTIZE_TYPES, "TYPE")
-    options = _options(args)
-    load_gguf(args.input).close()  # IN is a kimi-k3 GGUF the graph runs, or one line says why not
-    resolution = plan(read_gguf_tensors(args.input), expert_type, options)
-    for line in resolution.log:
-        print(f"kimi-k3-quantize: {line}", file=sys.stderr)
-    if args.print_tensor_types:
-        print("\n".join(format_tensor_types(resolution)))
-        return
-    _check_paths(args)
-    check_imatrix(resolution, args.imatrix)
-    tool = find_tool("llama-quantize")
-    out = args.output
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
-        rules, partial = Path(tmp) / "rules.txt", Path(tmp) / out.name
-        rules.write_text("".join(line + "\n" for line in pin_rules(resolution)), encoding="utf-8")
-        run_llama_quantize(quantize_command(tool, args.input, partial, rules, expert_type, args.imatrix,
-                                            args.threads))
-        check_output(partial, resolution)
-        os.replace(partial, out)
-    print(summary_line(out, resolution))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(lambda: run(_parser().parse_args(argv)), runtime_errors=(OSError,))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,6 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
+import kimi_k3_quantize
 from ggml_graph_spec.model import Model
 from quant_rules import llama_quantize
 from quant_rules.rules import load_protected_set
@@ -31,7 +32,7 @@ def test_only_the_experts_change_and_the_result_runs_with_dsa(dsa_gguf, tmp_path
     monkeypatch.setenv(llama_quantize.LLAMA_BIN_ENV, str(llama_bin()))
     out = tmp_path / "q3k.gguf"
     # A rule aimed at the indexer's key projection is refused (protected), one at the trunk applies.
-    assert llama_quantize.main([str(dsa_gguf), str(out), "q3_k", "--tensor-type", r"indexer\.attn_k=q8_0",
+    assert kimi_k3_quantize.main([str(dsa_gguf), str(out), "q3_k", "--tensor-type", r"indexer\.attn_k=q8_0",
                                 "--tensor-type", r"ffn_routed_up=q8_0", "-t", "2"]) == 0
     before = {t.name: t for t in GGUFReader(dsa_gguf).tensors}
     after = {t.name: t for t in GGUFReader(out).tensors}

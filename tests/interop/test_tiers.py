@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from bench.tiers import RESULTS, TIER_MODEL, TIERS, expert_bits, make_imatrix, make_model, make_tier, tensor_bytes,
-                         tier_name
+from bench.tiers import (RESULTS, TIER_MODEL, TIERS, expert_bits, make_imatrix, make_model, make_tier,
+                         tensor_bytes, tier_name)
 from ggml_graph_spec.model import Model
 from ggml_graph_spec.tokenizer import BPETokenizer
 from quant_rules import llama_quantize

@@ -10,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
+import kimi_k3_quantize
 from quant_rules import llama_quantize as lq
 from quant_rules.rules import QuantOptions, QuantRuleError, load_protected_set, parse_tensor_type
 from tests.support.generated import ROWS_256, generated_gguf
@@ -104,7 +105,7 @@ def _write_gguf(path, tensors: dict[str, int], kind: str) -> None:
 # ---- the command line: one line on stderr and the documented exit code ------------------------
 
 def _cli(capsys, *argv) -> tuple[int, str]:
-    rc = lq.main([str(a) for a in argv])
+    rc = kimi_k3_quantize.main([str(a) for a in argv])
     err = capsys.readouterr().err
     return rc, err
 
@@ -153,7 +154,7 @@ def test_same_file_in_and_out_is_refused(capsys, tmp_path, k3_tiny_gguf):
 
 
 def test_print_tensor_types_lists_every_tensor_and_writes_nothing(capsys, tmp_path, k3_tiny_gguf):
-    rc = lq.main([str(k3_tiny_gguf), str(tmp_path / "out.gguf"), "q8_0", "--print-tensor-types"])
+    rc = kimi_k3_quantize.main([str(k3_tiny_gguf), str(tmp_path / "out.gguf"), "q8_0", "--print-tensor-types"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0 and not (tmp_path / "out.gguf").exists()
     row = next(line for line in out if line.startswith("blk.1.ffn_gate_exps.weight "))
@@ -178,8 +179,8 @@ def _stand_in(tmp_path, monkeypatch, body: str) -> None:
     ('echo "llama_model_quantize: failed to quantize: disk on fire" >&2; exit 3',
      "llama-quantize failed: llama_model_quantize: failed to quantize: disk on fire (exit code 3)"),
     ('cp "$IN" "$OUT"', "llama-quantize wrote blk.1.ffn_gate_exps.weight as mxfp4, planned q8_0"),
-    ('echo junk > "$OUT"', "llama-quantize's output is not a GGUF the graph loads: "),
-    ("exit 0", "llama-quantize's output is not a GGUF the graph loads: "),
+    ('echo junk > "$OUT"', "llama-quantize's output is not a readable GGUF: "),
+    ("exit 0", "llama-quantize's output is not a readable GGUF: "),
 ])
 def test_a_bad_llama_quantize_run_is_one_line_and_leaves_nothing(capsys, tmp_path, monkeypatch, k3_tiny_gguf,
                                                                  body, message):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import convert_kimi_k3
-from gguf_arch import synth
+from gguf_arch.synth import cli as synth
 
 # Expert rows of 256 (latent 256, expert width 256): the 256-wide K-quant and i-quant blocks fit,
 # which the fixtures' 64/32-wide experts do not. 4 layers: dense KDA, KDA+MoE x2, MLA(+DSA)+MoE.
