@@ -7,7 +7,7 @@ real K3.1-Pro.
 Needs llama.cpp's tools (KIMI_K3_LLAMA_BIN, exported by scripts/setup_env.sh).
 
 The model (`kimi-k3-synth` with TIER_MODEL's sizes, seeded random weights) is a K3 with rows of
-256 in every expert matrix, so the 256-wide K-quant and i-quant blocks fit; its experts are 70%
+256 in every expert matrix, so the 256-wide K-quant and i-quant blocks fit; its experts are 66%
 of the GGUF. It is converted as released (MXFP4 experts, BF16 trunk). The importance matrix is
 llama-imatrix's on the first half of tests/fixtures/text/lighthouse.txt; the second half is the
 evaluation text, EVAL_CHUNKS chunks of EVAL_CTX tokens, each evaluated from an empty cache.
