@@ -8,6 +8,8 @@ base tensors are k3-tiny's bit for bit and --no-dsa drops only the indexer.
 """
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -18,7 +20,7 @@ from ggml_graph_spec.model import Model
 from ggml_graph_spec.tokenizer import BPETokenizer
 from tests.support.paths import TEXT
 
-from .llama_tools import llama_bin, llama_cli, run_tool
+from .llama_tools import TIMEOUT_S, llama_bin, llama_cli, run_tool
 
 N_GREEDY = 16
 
@@ -88,6 +90,21 @@ def test_llama_cli_prints_our_fast_paths_tokens_on_the_gguf_as_converted(k31pro_
     """
     got = llama_cli(k31pro_no_dsa_gguf, prompt, N_GREEDY, tmp_path, "-c", "128")
     assert got == _text(k31pro_no_dsa_gguf, _greedy(k31pro_no_dsa_gguf, prompt, exact=False))
+
+
+def test_llama_completion_prints_the_reference_tokens_byte_for_byte(k31pro_no_dsa_f32_gguf, k3_ref, prompt):
+    # llama-completion is this tree's raw path (no chat template, -no-cnv); it prints each token's
+    # bytes as they are, then two newlines. Exact settings as above. Its last token and the
+    # newlines do not always reach stdout before it exits (2 runs of 6 here ended one token
+    # short), so the reply must be the reference's 16 tokens or their first 15.
+    r = subprocess.run([str(llama_bin() / "llama-completion"), "-m", str(k31pro_no_dsa_f32_gguf), "-p", prompt,
+                        "-n", str(N_GREEDY), "--temp", "0", "-c", "128", "-t", "2", "-ctk", "f32", "-ctv", "f32",
+                        "-fa", "off", "-no-cnv", "--no-display-prompt", "--special"],
+                       capture_output=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = BPETokenizer.from_gguf(k31pro_no_dsa_f32_gguf)
+    ref = [t.token_bytes(int(i)) for i in k3_ref["greedy_ids"]]
+    assert r.stdout.removesuffix(b"\n\n") in (b"".join(ref[:-1]), b"".join(ref))
 
 
 # ---- llama-perplexity -------------------------------------------------------------------------
