@@ -32,18 +32,19 @@ from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor
 from gguf_arch.errors import GGUFError
 from gguf_arch.io.gguf_file import open_gguf
 from gguf_arch.io.split import part_paths
+from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
 from .repack import Repacked, Source, repack_experts
 
 # Types a "source precision" tensor (matrices, embeddings) may have: every type the converter
-# can write (quant_rules: --outtype / --tensor-type) plus the K-quants llama-quantize writes;
-# ggml's CPU matmul and get_rows handle all of them. Contract-F32 tensors are all protected
-# (quant_rules/protected.json), so F32 only; the routed experts are MXFP4 or what
-# --requantize-experts writes.
-SOURCE_TYPES = frozenset(WRITABLE_TYPES) | {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# can write (quant_rules: --outtype / --tensor-type) plus those kimi-k3-quantize has
+# llama-quantize write (quant_rules/llama_types.py); ggml's CPU matmul and get_rows handle all of
+# them. Contract-F32 tensors are all protected (quant_rules/protected.json), so F32 only; the
+# routed experts are MXFP4, what --requantize-experts writes, or a kimi-k3-quantize type.
+SOURCE_TYPES = frozenset(WRITABLE_TYPES) | frozenset(LLAMA_QUANTIZE_TYPES)
 _ALLOWED_TYPES = {OUT_SOURCE: SOURCE_TYPES, OUT_F32: frozenset({Q.F32}),
-                  OUT_MXFP4: frozenset({Q.MXFP4, *EXPERT_TYPES})}
+                  OUT_MXFP4: frozenset({Q.MXFP4, *EXPERT_TYPES, *LLAMA_QUANTIZE_TYPES})}
 
 
 # ---------------------------------------------------------------------------------------------

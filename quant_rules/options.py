@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from gguf import GGMLQuantizationType as Q
 
@@ -46,7 +46,7 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
                         "at their types in this GGUF")
 
 
-def read_tensor_type_file(path: Path) -> list[TensorTypeRule]:
+def read_tensor_type_file(path: Path, allowed: Sequence[Q] = WRITABLE_TYPES) -> list[TensorTypeRule]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -54,7 +54,7 @@ def read_tensor_type_file(path: Path) -> list[TensorTypeRule]:
     rules = []
     for number, line in enumerate(text.splitlines(), 1):
         for word in line.split("#", 1)[0].split():
-            rules.append(parse_tensor_type(word, f"{path}:{number}"))
+            rules.append(parse_tensor_type(word, f"{path}:{number}", allowed))
     return rules
 
 

@@ -117,8 +117,10 @@ class TensorTypeRule:
         return re.search(self.pattern, tensor) is not None
 
 
-def parse_tensor_type(text: str, origin: str = "--tensor-type") -> TensorTypeRule:
-    """`PATTERN=TYPE`, split at the first '=' as llama-quantize's parse_tensor_type does."""
+def parse_tensor_type(text: str, origin: str = "--tensor-type",
+                      allowed: Sequence[Q] = WRITABLE_TYPES) -> TensorTypeRule:
+    """`PATTERN=TYPE`, split at the first '=' as llama-quantize's parse_tensor_type does; TYPE one
+    of `allowed` (the converter's: what gguf-py writes exactly)."""
     pattern, sep, type_text = text.partition("=")
     if not sep:
         raise QuantRuleError(f"{origin}: malformed rule {text!r} (expected PATTERN=TYPE)")
@@ -131,7 +133,7 @@ def parse_tensor_type(text: str, origin: str = "--tensor-type") -> TensorTypeRul
         re.compile(pattern)
     except re.error as exc:
         raise QuantRuleError(f"{origin}: pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    return TensorTypeRule(pattern, parse_type(type_text, WRITABLE_TYPES, origin), origin)
+    return TensorTypeRule(pattern, parse_type(type_text, allowed, origin), origin)
 
 
 @dataclass(frozen=True)
