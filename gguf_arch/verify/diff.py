@@ -39,6 +39,7 @@ from ..arch.keys import ARCH, EXPERT_COUNT
 from ..arch.pruned import is_per_expert, read_kept, select_experts
 from ..arch.tensors import PlannedTensor, gguf_layer, plan_tensors
 from ..errors import CheckpointError, KimiError, run_cli
+from ..io.console import ArgumentParser, task_bar
 from ..io.gguf_file import open_gguf, row_nbytes
 from ..io.safetensors import Checkpoint, open_checkpoint
 from .bounds import BOUNDS
@@ -259,6 +260,10 @@ def select_layers(cfg: K3Config, layers: Iterable[int] | None) -> tuple[int, ...
     return chosen
 
 
+def _in_scope(layer: int | None, chosen: set[int], include_globals: bool) -> bool:
+    return (layer is None and include_globals) or layer in chosen
+
+
 def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
                       include_globals: bool = True, intended_types: Mapping[str, str] | None = None,
                       ) -> Iterator[TensorDiff]:
@@ -279,7 +284,7 @@ def _diffs(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, chosen: set[int], inclu
     kept = _pruned_experts(gguf, cfg)
     expected: set[str] = set()
     for plan in plan_tensors(cfg):
-        if not ((plan.layer is None and include_globals) or plan.layer in chosen):
+        if not _in_scope(plan.layer, chosen, include_globals):
             continue
         if plan.spec.optional and plan.sources[0][0] not in ckpt.entries:
             continue  # not in this checkpoint, so not in its plan: a GGUF copy is unexpected
@@ -318,12 +323,12 @@ def _parse_layers(text: str) -> list[int] | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kimi-k3-diff",
         description="Compare a kimi-k3 GGUF tensor by tensor with the HF checkpoint it was converted from. "
                     "Exit 0: everything matches; 1: a difference; 2: bad input.")
-    parser.add_argument("model_dir", help="HF checkpoint directory (config.json + safetensors shards)")
-    parser.add_argument("gguf", help="the converted GGUF file")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HF checkpoint directory (config.json + safetensors shards)")
+    parser.add_argument("gguf", metavar="GGUF", help="the converted GGUF file")
     parser.add_argument("--layers", default="all", help="'all' (default) or 0-based layers, e.g. 0,3,12")
     parser.add_argument("--no-globals", action="store_true",
                         help="leave out token_embd, output and the other globals")
@@ -331,20 +336,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
     cfg = load_config(args.model_dir)
     report = DiffReport(args.model_dir, args.gguf, select_layers(cfg, _parse_layers(args.layers)))
-    for diff in iter_tensor_diffs(args.model_dir, args.gguf, report.layers, not args.no_globals):
-        report.tensors.append(diff)
-        if not args.json:
-            print(diff.line(), flush=True)
+    in_scope = [p for p in plan_tensors(cfg) if _in_scope(p.layer, set(report.layers), not args.no_globals)]
+    with task_bar("comparing", len(in_scope), enabled=sys.stderr.isatty()) as bar:
+        for diff in iter_tensor_diffs(args.model_dir, args.gguf, report.layers, not args.no_globals):
+            report.tensors.append(diff)
+            bar.update()
+            if not args.json:
+                bar.write(diff.line(), file=sys.stdout)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0 if report.ok else DIFFERENCES_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return run_cli(lambda: _run(args))
+    # Parsing runs inside run_cli: a bad argument is the one-line error of every console script.
+    return run_cli(lambda: _run(argv))
 
 
 if __name__ == "__main__":
