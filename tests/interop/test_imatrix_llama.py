@@ -12,7 +12,8 @@ by fp32 summation order (measured <= 1.1e-5). Measured on this fixture: 2.6e-4, 
 input of the last MLA layers (the attention output over the F16 cache). A missed token, a head
 block out of place or an input of another matmul moves a value by far more than that.
 
-The tools come from scripts/build_llama_tools.sh (tests/interop/llama_tools.py finds them).
+The tools come from scripts/build_llama_tools.sh (tests/interop/llama_tools.py finds them, and
+skips these tests with the reason where they are not built).
 """
 from __future__ import annotations
 
@@ -26,9 +27,7 @@ from ggml_graph_spec.calibrate import main as calibrate
 from tests.support.paths import PROSE
 
 from .conftest import _convert
-
-llama_tools = pytest.importorskip("tests.interop.llama_tools",
-                                  reason="tests/interop/llama_tools.py (llama.cpp's tools) is not in this tree")
+from .llama_tools import run_tool
 
 CHUNK = 64
 IMATRIX_REL_TOL = 2 * 2.0 ** -10
@@ -43,7 +42,7 @@ def k31pro_f32_no_dsa_gguf(tmp_path_factory, k31pro_tiny_dir) -> Path:
 def _both(gguf: Path, tmp_path: Path) -> tuple[GGUFReader, GGUFReader]:
     theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
     # -b = -c: one sequence per batch, as our calibration runs each chunk
-    llama_tools.run_tool("llama-imatrix", "-m", gguf, "-f", PROSE, "-o", theirs, "-c", str(CHUNK), "-b", str(CHUNK),
+    run_tool("llama-imatrix", "-m", gguf, "-f", PROSE, "-o", theirs, "-c", str(CHUNK), "-b", str(CHUNK),
                          "--chunks", "2", "-t", "2", "--no-ppl")
     assert calibrate(["-m", str(gguf), "-f", str(PROSE), "-o", str(tmp_path / "s.json"), "--imatrix", str(ours),
                       "-c", str(CHUNK), "--chunks", "2", "-t", "2"]) == 0
@@ -91,6 +90,6 @@ def test_llama_quantize_reads_our_imatrix(k31pro_no_dsa_gguf, tmp_path):
     assert calibrate(["-m", str(k31pro_no_dsa_gguf), "-f", str(PROSE), "-o", str(tmp_path / "s.json"),
                       "--imatrix", str(im), "-c", str(CHUNK), "--chunks", "2", "-t", "2"]) == 0
     n = len(GGUFReader(im).tensors) // 2
-    r = llama_tools.run_tool("llama-quantize", "--allow-requantize", "--imatrix", im, k31pro_no_dsa_gguf,
+    r = run_tool("llama-quantize", "--allow-requantize", "--imatrix", im, k31pro_no_dsa_gguf,
                              tmp_path / "q.gguf", "Q4_0", "2")
     assert f"loaded {n} importance matrix entries" in r.stdout + r.stderr
