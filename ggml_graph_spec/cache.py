@@ -45,7 +45,9 @@ class SequenceCache:
                                         (cfg.kv_lora_rank + cfg.qk_rope_head_dim, n_ctx))
             if with_indexer and cfg.is_dsa(l):
                 self._index[l] = self._new(l, f"indexer_keys.{l}", F32, (cfg.indexer.head_dim, n_ctx))
-        self._buffers = {b: ggml.ggml_backend_alloc_ctx_tensors(ctx, b) for b, ctx in self._ctxs.items()}
+        # backend None: shapes only, nothing allocated (graphs can be built and analysed, not run).
+        self._buffers = {b: ggml.ggml_backend_alloc_ctx_tensors(ctx, b) for b, ctx in self._ctxs.items()
+                         if b is not None}
         self.reset()
 
     @staticmethod

@@ -325,7 +325,7 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]
     if model.devices is not None:
-        rows += model.devices.summary()
+        rows += model.devices.summary(model.cache, model.executor)
     rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()]
     return [f"print_info: {k:<16} = {v}" for k, v in rows]
 

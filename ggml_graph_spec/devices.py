@@ -24,15 +24,23 @@ from tqdm import tqdm
 
 from gguf_arch.tensors import plan_tensors
 
+from .cache import SequenceCache
 from .loader import GGUFWeights
 from .placement import INPUT, Placement, layer_ranges, parse_tensor_split
-from .rpc import Connection, Endpoint, check_alive, guard, handshake, parse_endpoints, unguard
+from .rpc import Connection, Endpoint, EndpointError, check_alive, guard, handshake, parse_endpoints, unguard
 from .sched import SchedExecutor
 
 UPLOAD_CHUNK_BYTES = 64 << 20
 # The one global tensor the INPUT segment reads (model.build_forward's get_rows); every other
 # global tensor belongs to the output head.
 _EMBEDDING = "token_embd.weight"
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
 
 
 @dataclass
@@ -82,6 +90,11 @@ class Devices:
         resolved = [handshake(ep) for ep in endpoints]
         # ggml is given the address the handshake reached, so that its socket is the one watched.
         addresses = [f"{ip}:{ep.port}".encode() for ip, ep in zip(resolved, endpoints)]
+        for i, a in enumerate(addresses):
+            if a in addresses[:i]:
+                # A server serves one connection at a time: ggml's second one would wait forever.
+                raise EndpointError(f"--rpc {endpoints[i]} and {endpoints[addresses.index(a)]} are the same server "
+                                    f"({a.decode()})")
         names = [f"RPC{i}[{ep}]" for i, ep in enumerate(endpoints)] + ["CPU"]
         if tensor_split is None:
             proportions = [*map(_server_memory, addresses), _cpu_memory()]
@@ -180,23 +193,26 @@ class Devices:
         return {str(r.endpoint): r.connection.traffic() for r in self._remotes.values()}
 
     # ---- report, teardown ----------------------------------------------------------------------
-    def summary(self) -> list[tuple[str, str]]:
-        """(key, value) rows: per device its layers and the bytes of weights it holds."""
-        rows = []
+    def summary(self, cache: SequenceCache, executor: SchedExecutor) -> list[tuple[str, str]]:
+        """(key, value) rows: per device where it is, its layers, and the bytes it holds."""
         p = self.placement
+        backends = {d: r.backend for d, r in self._remotes.items()} | {p.cpu: executor.backend}
         remote = {n for r in self._remotes.values() for n in r.names}
+        weights = {d: r.nbytes for d, r in self._remotes.items()}
+        weights[p.cpu] = sum(ggml.ggml_nbytes(t) for n, t in self.weights.tensors.items() if n not in remote)
+        rows = []
         for d, name in enumerate(p.names):
             layers = p.layers_on(d)
-            if d == p.cpu:
-                nbytes = sum(ggml.ggml_nbytes(t) for n, t in self.weights.tensors.items() if n not in remote)
-                place = "this host" + (f"; layers {layer_ranges(layers)}" if layers else "; no layers") + \
-                        ("; embedding" + ("; output" if p.output_device == d else ""))
+            parts = ["this host"] if d == p.cpu else []
+            parts.append(f"layers {layer_ranges(layers)}" if layers else "no layers")
+            parts += (["embedding"] if d == p.cpu else []) + (["output"] if d == p.output_device else [])
+            if d in backends:
+                b = backends[d]
+                parts.append(f"{_size(weights[d])} weights, {_size(cache.nbytes(b))} caches, "
+                             f"{_size(executor.buffer_size(b))} compute")
             else:
-                r = self._remotes.get(d)
-                nbytes = r.nbytes if r else 0
-                place = (f"layers {layer_ranges(layers)}" + ("; output" if p.output_device == d else "")
-                         if layers else "no layers (not used)")
-            rows.append((f"device {d}", f"{name}: {place}; {nbytes / 2**20:.1f} MiB of weights"))
+                parts.append("not used")
+            rows.append((f"device {d}", f"{name}: {'; '.join(parts)}"))
         return rows
 
     def close(self) -> None:

@@ -229,6 +229,11 @@ class Model:
     def n_ctx(self) -> int:
         return self.cache.n_ctx
 
+    @property
+    def executor(self) -> Executor:
+        """What runs the graphs: the CPU executor, or ggml's scheduler over the RPC devices."""
+        return self._exec
+
     # ---- running -----------------------------------------------------------------------------
     def reset(self) -> None:
         if self.devices is not None:

@@ -35,7 +35,12 @@ from gguf_arch.errors import EXIT_RUNTIME, KimiError
 # ggml 0.15.3's RPC protocol (ggml-rpc.h): the client accepts a server of the same major
 # version and a minor version not above its own.
 PROTOCOL = (4, 0, 1)
-_CMD_HELLO = 14
+# Its commands in enum rpc_cmd order (ggml-rpc.cpp). A request is the command byte, a u64 size
+# and that many bytes; a reply (for the commands that have one) a u64 size and the bytes.
+COMMANDS = ("ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
+            "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
+            "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE")
+_CMD_HELLO = COMMANDS.index("HELLO")  # 14 in every protocol version
 _CONN_CAPS = 24  # RPC_CONN_CAPS_SIZE: the HELLO request, and the tail of the reply
 _HELLO_REPLY = 4 + _CONN_CAPS  # major, minor, patch, padding, caps
 

@@ -74,6 +74,10 @@ class SchedExecutor(Executor):
     def _run(self, g: GraphBuild) -> int:
         return ggml.ggml_backend_sched_graph_compute(self._sched, g.gf)
 
+    def buffer_size(self, backend) -> int:
+        """Bytes of the scheduler's compute buffer on `backend` (as large as the largest graph yet)."""
+        return ggml.ggml_backend_sched_get_buffer_size(self._sched, backend)
+
     def n_splits(self) -> int:
         """Graph splits of the last graph (one per run of nodes on one device)."""
         return ggml.ggml_backend_sched_get_n_splits(self._sched)

@@ -81,8 +81,9 @@ def test_exact_moe_routing(exact):
                                    err_msg=f"layer {layer}")
 
 
-def test_exact_greedy_through_the_cache(exact):
-    m, ref = exact
+def assert_greedy_matches(m: Model, ref) -> None:
+    """The reference's greedy tokens after the short prompt, one at a time through the cache,
+    and the logits each came from."""
     m.reset()
     logits = m.eval(ref["input_ids_short"])[-1]
     ids, steps = [], []
@@ -92,6 +93,10 @@ def test_exact_greedy_through_the_cache(exact):
         logits = m.eval([ids[-1]])[-1]
     assert ids == ref["greedy_ids"].tolist()
     _assert_logits(np.stack(steps), ref["greedy_step_logits"], "greedy_step_logits")
+
+
+def test_exact_greedy_through_the_cache(exact):
+    assert_greedy_matches(*exact)
 
 
 def test_incremental_decode_equals_full_recompute(exact):

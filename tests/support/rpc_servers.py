@@ -4,8 +4,9 @@
 handshake; leaving the `with` block (or `close`) kills whatever is still running. Nothing here
 listens on or connects to anything but 127.0.0.1.
 
-`CuttingProxy` forwards one server's connections and closes both ends when the client sends its
-n-th GRAPH_COMPUTE command: a server lost in the middle of a ggml call, deterministically.
+`Proxy` forwards one server's connections, counts the commands and bytes that go through, and
+can close both ends when the client sends its n-th GRAPH_COMPUTE command: a server lost in the
+middle of a ggml call, deterministically.
 """
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
-from ggml_graph_spec.rpc import Endpoint, RpcError, handshake, recv_exactly
+from ggml_graph_spec.rpc import COMMANDS, Endpoint, RpcError, handshake, recv_exactly
 
 from .paths import REPO
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 60.0  # a server process importing ggml on a loaded 2-core machine
 STOP_TIMEOUT_S = 20.0
-_GRAPH_COMPUTE = 10  # ggml-rpc.cpp's RPC_CMD_GRAPH_COMPUTE
 
 
 def free_port() -> int:
@@ -38,8 +39,8 @@ def server_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "ggml_graph_spec.rpc_server", *args]
 
 
-def start_server(port: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(server_command("--port", str(port), "-t", "1", *extra), cwd=REPO,
+def start_server(port: int, *extra: str, threads: int = 1) -> subprocess.Popen:
+    return subprocess.Popen(server_command("--port", str(port), "-t", str(threads), *extra), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -70,13 +71,13 @@ def stop(proc: subprocess.Popen) -> None:
 class RpcServers:
     """n servers on free loopback ports; endpoints as "127.0.0.1:port" strings."""
 
-    def __init__(self, n: int, *extra: str):
+    def __init__(self, n: int, *extra: str, threads: int = 1):
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         try:
             for _ in range(n):
                 port = free_port()
-                proc = start_server(port, *extra)
+                proc = start_server(port, *extra, threads=threads)
                 self.procs.append(proc)
                 self.ports.append(port)
                 wait_ready(proc, port)
@@ -103,23 +104,32 @@ class RpcServers:
         self.close()
 
 
-class CuttingProxy:
-    """A loopback TCP proxy to `target` that serves one connection at a time, like the server,
-    and drops the connection on the client's `cut_at`-th GRAPH_COMPUTE (counted over all its
-    connections)."""
+class Proxy:
+    """A loopback TCP proxy to `target_port` that serves one connection at a time, like the
+    server. It counts the client's commands (bytes with their headers, and calls, per command)
+    and the bytes coming back; with `cut_at` it drops the connection on the client's cut_at-th
+    GRAPH_COMPUTE (counted over all its connections)."""
 
-    def __init__(self, target_port: int, cut_at: int):
+    def __init__(self, target_port: int, cut_at: int | None = None):
         self._target = (LOOPBACK, target_port)
         self._cut_at = cut_at
-        self.computes = 0
+        self.sent: Counter[str] = Counter()  # command -> bytes from the client
+        self.calls: Counter[str] = Counter()
+        self.received = 0  # bytes from the server
         self._listener = socket.create_server((LOOPBACK, 0))
         self.port = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._serve, daemon=True).start()
 
     @property
     def endpoint(self) -> str:
         return f"{LOOPBACK}:{self.port}"
+
+    @property
+    def computes(self) -> int:
+        return self.calls["GRAPH_COMPUTE"]
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int], int]:
+        return dict(self.sent), dict(self.calls), self.received
 
     def _serve(self) -> None:
         while True:
@@ -138,11 +148,11 @@ class CuttingProxy:
                         pass  # already closed by the other side
                 back.join(STOP_TIMEOUT_S)
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(1 << 16):
                 dst.sendall(data)
+                self.received += len(data)
         except OSError:
             pass
 
@@ -150,11 +160,11 @@ class CuttingProxy:
         """Client -> server, one command (cmd byte, u64 size, payload) at a time."""
         try:
             while len(header := recv_exactly(client, 9)) == 9:
+                name = COMMANDS[header[0]] if header[0] < len(COMMANDS) else f"unknown {header[0]}"
                 size = struct.unpack("<Q", header[1:])[0]
-                if header[0] == _GRAPH_COMPUTE:
-                    self.computes += 1
-                    if self.computes == self._cut_at:
-                        return
+                if name == "GRAPH_COMPUTE" and self.computes + 1 == self._cut_at:
+                    self.calls[name] += 1
+                    return
                 server.sendall(header)
                 left = size
                 while left:
@@ -163,6 +173,8 @@ class CuttingProxy:
                         return
                     server.sendall(chunk)
                     left -= len(chunk)
+                self.sent[name] += 9 + size
+                self.calls[name] += 1
         except OSError:
             return
 
