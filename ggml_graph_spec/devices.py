@@ -27,7 +27,8 @@ from gguf_arch.tensors import plan_tensors
 from .cache import SequenceCache
 from .loader import GGUFWeights
 from .placement import INPUT, Placement, layer_ranges, parse_tensor_split
-from .rpc import Connection, Endpoint, EndpointError, check_alive, guard, handshake, parse_endpoints, unguard
+from .rpc import (Connection, Endpoint, EndpointError, SizedHere, check_alive, guard, handshake, parse_endpoints,
+                  unguard)
 from .sched import SchedExecutor
 
 UPLOAD_CHUNK_BYTES = 64 << 20
@@ -78,6 +79,7 @@ class Devices:
         self._remotes = remotes  # device index -> server holding layers
         self._n_threads = n_threads
         self._mapped: dict[str, Any] = {}  # the file-mapped tensors the uploads replaced
+        self._compute_types: list[SizedHere] = []  # the scheduler's buffer types: live as long as it
         self.upload_bytes = 0
 
     @classmethod
@@ -184,9 +186,11 @@ class Devices:
         index = {d: i for i, d in enumerate(self._remotes)}  # placement device -> scheduler backend
         cpu = ggml.ggml_backend_cpu_init()
         ggml.ggml_backend_cpu_set_n_threads(cpu, self._n_threads)
+        self._compute_types = [SizedHere(ggml.ggml_backend_get_default_buffer_type(b)) for b in backends]
         return SchedExecutor([*backends, cpu], n_nodes,
                              lambda segment: index.get(self.placement.device_of(segment), len(backends)),
-                             lambda: self.check("before a graph"))
+                             lambda: self.check("before a graph"),
+                             [t.address for t in self._compute_types] + [ggml.ggml_backend_get_default_buffer_type(cpu)])
 
     def traffic(self) -> dict[str, tuple[int, int]]:
         """Per server: (bytes sent, bytes received) on ggml's connection since it opened."""

@@ -224,9 +224,7 @@ class Executor:
 
     def compute(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
         """Allocate g's graph (outputs kept alive), upload its inputs, run it."""
-        for t in outputs:
-            ggml.ggml_set_output(t)
-            ggml.ggml_build_forward_expand(g.gf, t)
+        self._expand_outputs(g, outputs)
         self._allocate(g)
         for t, value in g.inputs:
             if not t.contents.buffer:  # an input no node reads is not allocated
@@ -235,6 +233,26 @@ class Executor:
         status = self._run(g)
         if status != ggml.GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    def plan(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
+        """Plan the memory of g's graph (outputs kept alive) without computing it.
+
+        ggml-alloc reuses its last plan for the next graph when it has as many nodes and leafs
+        and every tensor fits, whatever that graph's outputs are: an output the old plan did not
+        keep would be overwritten before it is read. A graph with outputs beyond the logits
+        (records) is planned first from an identical graph built for the purpose: the
+        scheduler's planning rewrites the graph it is given."""
+        self._expand_outputs(g, outputs)
+        self._plan(g)
+
+    def _expand_outputs(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
+        for t in outputs:
+            ggml.ggml_set_output(t)
+            g.expand(t)
+
+    def _plan(self, g: GraphBuild) -> None:
+        if not ggml.ggml_gallocr_reserve(self._galloc, g.gf):
+            raise MemoryError("ggml-alloc could not allocate the compute graph")
 
     def _allocate(self, g: GraphBuild) -> None:
         if not ggml.ggml_gallocr_alloc_graph(self._galloc, g.gf):

@@ -259,6 +259,9 @@ class Model:
     def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
                        top_k=self.top_k, wants=want, dsa_path=self.dsa_path, segments=self._exec.segments)
+        if want:  # extra outputs: a fresh memory plan (Executor.plan says why)
+            with self._exec.graph(self._graph_size, make) as g:
+                self._exec.plan(g, [build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))])
         with self._exec.graph(self._graph_size, make) as g:
             logits = build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))
             self._exec.compute(g, [logits])

@@ -20,6 +20,7 @@ ggml 0.15.3, ggml-rpc.cpp). This module keeps those aborts away from the user:
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import struct
@@ -226,6 +227,38 @@ class Connection:
         # struct tcp_info: 8 bytes of u8 fields, 24 u32, then pacing_rate, max_pacing_rate,
         # bytes_acked, bytes_received (u64 each; Linux >= 4.1).
         return struct.unpack_from("<QQ", info, 8 + 24 * 4 + 16) if len(info) >= 136 else (0, 0)
+
+
+class _BufferTypeIface(ctypes.Structure):
+    """struct ggml_backend_buffer_type_i of ggml 0.15.3 (ggml-backend-impl.h): six function pointers."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("get_name", "alloc_buffer", "get_alignment", "get_max_size", "get_alloc_size", "is_host")]
+
+
+class _BufferType(ctypes.Structure):
+    _fields_ = [("iface", _BufferTypeIface), ("device", ctypes.c_void_p), ("context", ctypes.c_void_p)]
+
+
+class SizedHere:
+    """ggml's RPC buffer type of one server, with tensor allocation sizes computed here.
+
+    ggml's RPC client asks the server the allocation size of every MUL_MAT_ID and FLASH_ATTN_EXT
+    node each time ggml-alloc places a graph (GET_ALLOC_SIZE: a round trip each, about 3.3 per
+    such node and graph, bench/rpc.py), because a GPU server may pad them. A
+    kimi-k3-rpc-server serves ggml's CPU device, whose buffer type has no get_alloc_size: the
+    size is ggml_nbytes. This copy of the buffer type has the same functions and context but no
+    get_alloc_size, so ggml computes ggml_nbytes itself; buffers it allocates are ordinary RPC
+    buffers on that server. It is for compute buffers only (the scheduler's), and must outlive
+    them."""
+
+    def __init__(self, rpc_buffer_type: int):
+        self._struct = _BufferType.from_buffer_copy(_BufferType.from_address(rpc_buffer_type))
+        self._struct.iface.get_alloc_size = None
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._struct)
 
 
 def _keepalive(s: socket.socket) -> None:

@@ -28,14 +28,17 @@ class SchedExecutor(Executor):
     """Executor over `backends` (the CPU last, as ggml's scheduler requires)."""
 
     def __init__(self, backends: Sequence, n_nodes: int, device_of: Callable[[Hashable], int],
-                 check: Callable[[], None]):
+                 check: Callable[[], None], buffer_types: Sequence | None = None):
+        """buffer_types: the compute buffer type of each backend (None: their defaults)."""
         self.backends = list(backends)
         self.backend = self.backends[-1]  # the CPU: where graph inputs live
         self._device_of = device_of
         self._check = check  # raises before any ggml call if a device is gone
         array = (ggml.ggml_backend_t_ctypes * len(self.backends))(*self.backends)
+        bufts = None if buffer_types is None else \
+            (ggml.ggml_backend_buffer_type_t_ctypes * len(self.backends))(*buffer_types)
         # Node and leaf counts both go into the scheduler's hash set: room for both.
-        self._sched = ggml.ggml_backend_sched_new(array, None, len(self.backends), 2 * n_nodes, False, False)
+        self._sched = ggml.ggml_backend_sched_new(array, bufts, len(self.backends), 2 * n_nodes, False, False)
         if not self._sched:
             raise MemoryError("ggml could not create the backend scheduler")
 
@@ -43,15 +46,25 @@ class SchedExecutor(Executor):
 
     def _allocate(self, g: GraphBuild) -> None:
         self._check()
+        self._pin(g)
+        if not ggml.ggml_backend_sched_alloc_graph(self._sched, g.gf):
+            raise MemoryError("ggml's scheduler could not allocate the compute graph")
+        self._check_views(g)
+
+    def _plan(self, g: GraphBuild) -> None:
+        self._check()
+        self._pin(g)
+        # The scheduler replaces the sources that cross devices in g's nodes: g is not computed.
+        if not ggml.ggml_backend_sched_reserve(self._sched, g.gf):
+            raise MemoryError("ggml's scheduler could not allocate the compute graph")
+
+    def _pin(self, g: GraphBuild) -> None:
         ggml.ggml_backend_sched_reset(self._sched)
         for i in range(ggml.ggml_graph_n_nodes(g.gf)):
             node = ggml.ggml_graph_node(g.gf, i)
             segment = g.segment_of(node)
             if segment is not None and node.contents.op not in _VIEW_OPS:
                 ggml.ggml_backend_sched_set_tensor_backend(self._sched, node, self.backends[self._device_of(segment)])
-        if not ggml.ggml_backend_sched_alloc_graph(self._sched, g.gf):
-            raise MemoryError("ggml's scheduler could not allocate the compute graph")
-        self._check_views(g)
 
     def backend_of(self, t) -> int | None:
         """The backend the scheduler gave t in the last graph (None: not placed)."""

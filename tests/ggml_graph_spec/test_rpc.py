@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections import Counter
 
 import ggml
 import numpy as np
@@ -353,3 +354,45 @@ def test_without_tensor_split_the_devices_memory_sets_the_shares(servers, k3_tin
     finally:
         m.close()
 
+
+
+def test_a_cpu_servers_allocation_size_is_ggml_nbytes(servers):
+    """SizedHere's premise: asked over RPC (GET_ALLOC_SIZE), a kimi-k3-rpc-server sizes a
+    MUL_MAT_ID and a FLASH_ATTN_EXT node at ggml_nbytes, as its CPU buffer type does."""
+    rpc = ggml.ggml_backend_rpc_init(servers.endpoints[2].encode(), 0)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 16, mem_buffer=None,
+                                               no_alloc=True))
+    try:
+        experts = new_tensor(ctx, ggml.GGML_TYPE_MXFP4, (64, 48, 8))
+        ids = new_tensor(ctx, ggml.GGML_TYPE_I32, (2, 3))
+        q, kv = new_tensor(ctx, F32, (24, 3, 4)), new_tensor(ctx, ggml.GGML_TYPE_F16, (24, 32))
+        nodes = [ggml.ggml_mul_mat_id(ctx, experts, new_tensor(ctx, F32, (64, 1, 3)), ids),
+                 ggml.ggml_flash_attn_ext(ctx, q, kv, kv, None, 0.2, 0.0, 0.0)]
+        buft = ggml.ggml_backend_get_default_buffer_type(rpc)
+        assert [ggml.ggml_backend_buft_get_alloc_size(buft, n) for n in nodes] == [ggml.ggml_nbytes(n) for n in nodes]
+    finally:
+        ggml.ggml_free(ctx)
+        ggml.ggml_backend_free(rpc)
+
+
+def test_decoding_asks_no_allocation_sizes_and_reads_back_only_boundaries(k31pro_tiny_gguf, servers):
+    """Per decoded token each server gets one graph, its inputs, and the client reads back
+    what crosses to the next device: no GET_ALLOC_SIZE round trips, no weight transfers."""
+    proxies = [Proxy(p) for p in servers.ports[:2]]
+    try:
+        m = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, n_threads=1, rpc=[p.endpoint for p in proxies],
+                       tensor_split=THREE_WAYS)
+        try:
+            m.eval([656, 1, 2, 3])
+            before = [Counter(p.calls) for p in proxies]
+            for t in range(4):
+                m.eval([t + 5])
+            calls = [Counter(p.calls) - b for p, b in zip(proxies, before)]
+        finally:
+            m.close()
+    finally:
+        for p in proxies:
+            p.close()
+    for c in calls:
+        assert set(c) <= {"GRAPH_COMPUTE", "SET_TENSOR", "GET_TENSOR"}, c
+        assert c["GRAPH_COMPUTE"] == 4
