@@ -15,10 +15,10 @@ client run on this machine, so the timings show the protocol's cost, not a netwo
             the client's socket counters (TCP_INFO bytes_acked / bytes_received of each
             connection): at load, per prompt token, per decoded token. A second pass through
             counting proxies (tests/support/rpc_servers.Proxy) splits the decode traffic by
-            command: graph messages, tensor copies, ggml-alloc's GET_ALLOC_SIZE queries.
+            command: graph messages and tensor copies (and any other command, should one appear).
   predicted the same per-token traffic from the decode graph alone (`traffic_per_token`: which
-            tensors cross between devices, how large each device's graph message is, how many
-            allocation queries it makes), checked here against the measurement.
+            tensors cross between devices, how large each device's graph message is), checked
+            here against the measurement.
   projected the real K3.1-Pro (tests/fixtures/reference's config, with the K3.1-Pro indexer
             fields of k31pro-format.md) over N hosts of equal memory (N-1 servers and the
             client's host): layers per host by llama.cpp's rule, weights per host, bytes crossing
@@ -69,8 +69,6 @@ RPC_TENSOR = 296  # sizeof(rpc_tensor) in ggml 0.15.3 (ggml-rpc.cpp, packed)
 HEADER = 9  # command byte + u64 size
 REPLY_HEADER = 8
 GET_TENSOR_REQUEST = RPC_TENSOR + 16
-ALLOC_SIZE_REQUEST = 4 + 11 * RPC_TENSOR  # device, the tensor and its 10 sources
-ALLOC_SIZE_OPS = (ggml.GGML_OP_MUL_MAT_ID, ggml.GGML_OP_FLASH_ATTN_EXT)  # the ones ggml's client asks about
 LINKS_GBIT = (1, 10, 100)
 HOSTS = (2, 3, 4, 8)
 CONTEXTS = (4096, 131072)
@@ -146,8 +144,7 @@ def decode_breakdown(gguf: Path, servers: RpcServers, split: str, a: argparse.Na
             for tok in range(a.gen):
                 m.eval([tok + 1])
             after = [p.snapshot() for p in proxies]
-            predicted = traffic_per_token(m.weights, m.devices.placement, m.cache, n_past=a.prompt + a.gen - 1,
-                                          alloc_queries=None)
+            predicted = traffic_per_token(m.weights, m.devices.placement, m.cache, n_past=a.prompt + a.gen - 1)
         finally:
             m.close()
     finally:
@@ -220,12 +217,10 @@ def _graph_message(graph: _Graph, d: int, nodes: list) -> int:
     return HEADER + 4 + 4 + 8 * len(nodes) + 4 + RPC_TENSOR * len(seen)
 
 
-def traffic_per_token(weights: GGUFWeights, placement: Placement, cache: SequenceCache, *, n_past: int,
-                      alloc_queries: float | None) -> dict:
-    """Bytes on each server's connection for one decoded token after n_past, from the graph.
-
-    alloc_queries: GET_ALLOC_SIZE calls per MUL_MAT_ID / FLASH_ATTN_EXT node and graph (None:
-    reported as the node count only, to be set from a measurement)."""
+def traffic_per_token(weights: GGUFWeights, placement: Placement, cache: SequenceCache, *, n_past: int) -> dict:
+    """Bytes on each server's connection for one decoded token after n_past, from the graph:
+    per run of nodes on a server its GRAPH_COMPUTE message, per tensor crossing to a server a
+    SET_TENSOR, per tensor leaving one a GET_TENSOR (a round trip), and the logits."""
     cfg = weights.cfg
     saved, cache.n_past = cache.n_past, n_past
     n_nodes = _graph_size(weights)
@@ -238,7 +233,7 @@ def traffic_per_token(weights: GGUFWeights, placement: Placement, cache: Sequenc
         logits = build_forward(g, weights, g.input("tokens", I32, (1,), np.zeros(1, np.int32)))
         g.expand(logits)
         return _count(_Graph(g, placement, _leaf_device(weights, cache, placement)), placement, logits,
-                      cfg.vocab_size, alloc_queries)
+                      cfg.vocab_size)
     finally:
         ggml.ggml_free(ctx)
         cache.n_past = saved
@@ -259,7 +254,7 @@ def _leaf_device(weights: GGUFWeights, cache: SequenceCache, placement: Placemen
     return lambda t: by_address.get(ctypes.addressof(t.contents), placement.cpu)
 
 
-def _count(graph: _Graph, p: Placement, logits, vocab: int, alloc_queries: float | None) -> dict:
+def _count(graph: _Graph, p: Placement, logits, vocab: int) -> dict:
     per = {d: Counter() for d in range(len(p.names)) if d != p.cpu}
     copied: set[tuple[int, int]] = set()
     boundary: Counter[str] = Counter()
@@ -267,8 +262,6 @@ def _count(graph: _Graph, p: Placement, logits, vocab: int, alloc_queries: float
         if n.contents.op in _VIEW_OPS:
             continue
         d = graph.device(n)
-        if d in per and n.contents.op in ALLOC_SIZE_OPS:
-            per[d]["alloc_size_nodes"] += 1
         for s in n.contents.src:
             if not s or graph.device(s) == d or (ctypes.addressof(s.contents), d) in copied:
                 continue
@@ -289,12 +282,6 @@ def _count(graph: _Graph, p: Placement, logits, vocab: int, alloc_queries: float
         o["GET_TENSOR"] += HEADER + GET_TENSOR_REQUEST
         o["received"] += REPLY_HEADER + 4 * vocab
         o["round_trips"] += 1
-    if alloc_queries is not None:
-        for c in per.values():
-            calls = c["alloc_size_nodes"] * alloc_queries
-            c["GET_ALLOC_SIZE"] += calls * (HEADER + ALLOC_SIZE_REQUEST)
-            c["received"] += calls * (REPLY_HEADER + 8)
-            c["round_trips"] += calls
     return {"per_server": {p.names[d]: {k: round(v) for k, v in c.items()} for d, c in per.items()},
             "crossing": dict(boundary)}
 
@@ -320,7 +307,7 @@ def real_k31pro_weights():
     return GGUFWeights(Path("K3.1-Pro (shapes only)"), cfg, {}, tensors, [], ctx)
 
 
-def project(alloc_queries: float) -> dict:
+def project() -> dict:
     weights = real_k31pro_weights()
     cfg = weights.cfg
     per_layer = [sum(ggml.ggml_nbytes(t) for n, t in weights.tensors.items() if n.startswith(f"blk.{l}."))
@@ -339,7 +326,7 @@ def project(alloc_queries: float) -> dict:
         for n_ctx in CONTEXTS:
             cache = SequenceCache(cfg, None, n_ctx=n_ctx, exact=False, with_indexer=True)
             try:
-                t = traffic_per_token(weights, p, cache, n_past=n_ctx - 1, alloc_queries=alloc_queries)
+                t = traffic_per_token(weights, p, cache, n_past=n_ctx - 1)
             finally:
                 cache.free()
             entry["contexts"][n_ctx] = {**t, "network_ms_per_token": _network_ms(t)}
@@ -351,7 +338,7 @@ def project(alloc_queries: float) -> dict:
 def _network_ms(t: dict) -> dict:
     """Serial per-token time on the wire: every byte once (the client is the hub), over each link rate."""
     total = sum(c.get(k, 0) for c in t["per_server"].values()
-                for k in ("GRAPH_COMPUTE", "SET_TENSOR", "GET_TENSOR", "GET_ALLOC_SIZE", "received"))
+                for k in ("GRAPH_COMPUTE", "SET_TENSOR", "GET_TENSOR", "received"))
     trips = sum(c.get("round_trips", 0) for c in t["per_server"].values())
     return {"bytes": round(total), "round_trips": round(trips),
             **{f"{g}_gbit_s": round(total * 8 / (g * 1e9) * 1e3, 3) for g in LINKS_GBIT}}
@@ -377,24 +364,16 @@ def main() -> None:
         with RpcServers(n, threads=a.threads) as servers:
             runs.append(run_config(gguf, servers.endpoints, split, a))
             breakdown[n] = decode_breakdown(gguf, servers, split, a)
-    queries = _alloc_queries(breakdown[2])
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
               "gguf": {"synth": MEDIUM, "bytes": gguf.stat().st_size}, "threads": a.threads,
               "prompt_tokens": a.prompt, "gen_tokens": a.gen, "runs": runs, "decode_breakdown": breakdown,
-              "alloc_queries_per_node": queries, "projection_k31pro": project(queries)}
+              "projection_k31pro": project()}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     for r in runs:
         print(f"{r['servers']} servers: load {r['load_s']} s, prompt {r['prompt_tok_s']} tok/s, decode "
               f"{r['decode_tok_s']} tok/s, {r['bytes_per_decode_token']['sent'] / 1024:.0f} KiB sent per token")
     print(f"wrote {a.json}")
-
-
-def _alloc_queries(b: dict) -> float:
-    """GET_ALLOC_SIZE calls per MUL_MAT_ID / FLASH_ATTN_EXT node per graph, measured."""
-    calls = sum(m["calls_by_command"].get("GET_ALLOC_SIZE", 0) for m in b["measured"])
-    nodes = sum(c.get("alloc_size_nodes", 0) for c in b["graph"]["per_server"].values())
-    return calls / nodes if nodes else 0.0
 
 
 if __name__ == "__main__":

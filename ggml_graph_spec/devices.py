@@ -57,6 +57,22 @@ class _Remote:
     nbytes: int = 0
 
 
+def _reach(endpoints: Sequence[Endpoint]) -> list[Connection]:
+    """Handshake with every server; their connections, guarded from here on (ggml's own
+    connect aborts on failure)."""
+    connections = [Connection(ep, handshake(ep)) for ep in endpoints]
+    seen: dict[bytes, Endpoint] = {}
+    for c in connections:
+        if c.ggml_endpoint in seen:
+            # A server serves one connection at a time: ggml's second one would wait forever.
+            raise EndpointError(f"--rpc {c.endpoint} and {seen[c.ggml_endpoint]} are the same server "
+                                f"({c.ggml_endpoint.decode()})")
+        seen[c.ggml_endpoint] = c.endpoint
+    for c in connections:
+        guard(c)
+    return connections
+
+
 def _cpu_memory() -> int:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     ggml.ggml_backend_dev_memory(ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU),
@@ -89,24 +105,23 @@ class Devices:
         if not ggml.GGML_USE_RPC:
             raise RuntimeError("this ggml-python was built without RPC (rebuild it with CMAKE_ARGS=-DGGML_RPC=ON)")
         endpoints = parse_endpoints(rpc)
-        resolved = [handshake(ep) for ep in endpoints]
-        # ggml is given the address the handshake reached, so that its socket is the one watched.
-        addresses = [f"{ip}:{ep.port}".encode() for ip, ep in zip(resolved, endpoints)]
-        for i, a in enumerate(addresses):
-            if a in addresses[:i]:
-                # A server serves one connection at a time: ggml's second one would wait forever.
-                raise EndpointError(f"--rpc {endpoints[i]} and {endpoints[addresses.index(a)]} are the same server "
-                                    f"({a.decode()})")
         names = [f"RPC{i}[{ep}]" for i, ep in enumerate(endpoints)] + ["CPU"]
-        if tensor_split is None:
-            proportions = [*map(_server_memory, addresses), _cpu_memory()]
-        elif isinstance(tensor_split, str):
-            proportions = list(parse_tensor_split(tensor_split, len(names)))
-        else:
-            proportions = list(parse_tensor_split(",".join(map(str, tensor_split)), len(names)))
-        placement = Placement.plan(names, weights.cfg.num_layers, proportions)
-        remotes = {d: _Remote(endpoints[d], Connection(endpoints[d], resolved[d]), ggml.ggml_backend_rpc_init(addresses[d], 0))
-                   for d in placement.used() if d != placement.cpu}
+        shares = None if tensor_split is None else parse_tensor_split(
+            tensor_split if isinstance(tensor_split, str) else ",".join(map(str, tensor_split)), len(names))
+        connections = _reach(endpoints)
+        try:
+            if shares is None:
+                shares = (*(_server_memory(c.ggml_endpoint) for c in connections), _cpu_memory())
+            placement = Placement.plan(names, weights.cfg.num_layers, shares)
+            remotes = {d: _Remote(endpoints[d], connections[d], ggml.ggml_backend_rpc_init(connections[d].ggml_endpoint, 0))
+                       for d in placement.used() if d != placement.cpu}
+        except BaseException:
+            for c in connections:
+                unguard(c)
+            raise
+        for d, c in enumerate(connections):
+            if d not in remotes:
+                unguard(c)  # no layers there: ggml never connects to it
         devices = cls(weights, placement, remotes, n_threads)
         try:
             devices._upload(progress)
@@ -150,9 +165,8 @@ class Devices:
                               "for its layers' weights")
         ggml.ggml_backend_buffer_set_usage(r.buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         r.nbytes = self._bytes(r.names)
-        # The buffer holds ggml's connection from here on: watch it.
+        # The buffer holds ggml's connection from here on: watch its socket.
         r.connection.attach()
-        guard(r.connection)
 
     def _bytes(self, names: Sequence[str]) -> int:
         return sum(ggml.ggml_nbytes(self.weights.tensors[n]) for n in names)

@@ -174,9 +174,14 @@ class Connection:
 
     def __init__(self, endpoint: Endpoint, address: str):
         self.endpoint = endpoint
-        self.address = address  # the resolved IPv4 address ggml connected to
+        self.address = address  # the resolved IPv4 address the handshake reached
         self._fd: int | None = None
         self._local: tuple | None = None
+
+    @property
+    def ggml_endpoint(self) -> bytes:
+        """What ggml is given: the address the handshake reached, so that its socket is this one."""
+        return f"{self.address}:{self.endpoint.port}".encode()
 
     def attach(self) -> None:
         """Find ggml's socket to the server (it exists while a buffer on the server does) and set
@@ -281,8 +286,8 @@ def check_alive(connections: Sequence[Connection], when: str) -> None:
 # the abort guard
 # ---------------------------------------------------------------------------------------------
 
-# ggml's transport logs these just before the abort; they become part of the one error line.
-_TRANSPORT_FAILURES = (b"send failed", b"recv failed")
+# ggml's RPC client logs these just before its abort; they become part of the one error line.
+_TRANSPORT_FAILURES = (b"send failed", b"recv failed", b"Failed to connect", b"Cannot resolve")
 
 
 class _Guard:
@@ -295,6 +300,8 @@ class _Guard:
         self._log = ggml.ggml_log_callback(self._on_log)
 
     def add(self, c: Connection) -> None:
+        if c in self.connections:
+            return
         if not self.connections:
             ggml.ggml_set_abort_callback(self._abort)
             ggml.ggml_log_set(self._log, None)
