@@ -151,8 +151,8 @@ class Proxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(1 << 16):
+                self.received += len(data)  # counted before the client can see it
                 dst.sendall(data)
-                self.received += len(data)
         except OSError:
             pass
 
@@ -162,9 +162,10 @@ class Proxy:
             while len(header := recv_exactly(client, 9)) == 9:
                 name = COMMANDS[header[0]] if header[0] < len(COMMANDS) else f"unknown {header[0]}"
                 size = struct.unpack("<Q", header[1:])[0]
-                if name == "GRAPH_COMPUTE" and self.computes + 1 == self._cut_at:
-                    self.calls[name] += 1
+                self.calls[name] += 1  # counted before the server can answer it
+                if name == "GRAPH_COMPUTE" and self.computes == self._cut_at:
                     return
+                self.sent[name] += 9 + size
                 server.sendall(header)
                 left = size
                 while left:
@@ -173,8 +174,6 @@ class Proxy:
                         return
                     server.sendall(chunk)
                     left -= len(chunk)
-                self.sent[name] += 9 + size
-                self.calls[name] += 1
         except OSError:
             return
 
