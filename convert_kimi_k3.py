@@ -15,13 +15,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from gguf_arch.convert import OutputOptions, convert
-from gguf_arch.dry_run import plan_lines, planned_files
+from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_files
+from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
-from gguf_arch.integrity import verify
-from gguf_arch.split import SplitLimits, parse_size
-from quant_rules.cli_options import (add_quant_arguments, format_tensor_types, listing_resolution, quant_options,
-                                     requantize_warning, write_quantize_rules)
+from gguf_arch.io.split import SplitLimits, parse_size
+from gguf_arch.verify.verify import verify
+from quant_rules.options import (add_quant_arguments, format_tensor_types, quant_options, requantize_warning,
+                                 write_quantize_rules)
 
 
 def _parser() -> argparse.ArgumentParser:

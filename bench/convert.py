@@ -110,7 +110,7 @@ def prepare_cache(model: Path, cold: bool) -> None:
 def synth(model: Path, *extra: str) -> None:
     if (model / "config.json").exists():
         return
-    subprocess.run([sys.executable, "-m", "gguf_arch.synth", str(model), *SYNTH, *extra], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "-m", "gguf_arch.synth.cli", str(model), *SYNTH, *extra], cwd=REPO, check=True,
                    stdout=subprocess.DEVNULL)
 
 

@@ -144,7 +144,7 @@ def _attention_time(m, n: int, top_k: int | None, path: str, exact: bool, rng) -
 
     import numpy as np
 
-    from ggml_graph_spec import mla
+    from ggml_graph_spec.blocks import mla
     from ggml_graph_spec.graph import F16, F32, GraphBuild
     cfg = m.cfg
     d, h = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_heads

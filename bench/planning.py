@@ -10,10 +10,10 @@ the operation cannot avoid, so the ratio says how much the project's own work ad
                      interpreter (the same process start included);
   print_tensor_types `--print-tensor-types --outtype q8_0` on the real K3.1-Pro plan (the K3 index
                      plus the contract's indexer fields and tensors)  vs  the same baseline;
-  merge_recovery     gguf_arch.tokenizer.recover_merges on a 163,584-rank random merge tree with the
+  merge_recovery     gguf_arch.arch.tokenizer.recover_merges on a 163,584-rank random merge tree with the
                      real vocabulary's token lengths  vs  baseline: building tiktoken's own
                      Encoding from the same ranks;
-  shard_header       gguf_arch.safetensors_index.read_shard_header on a header of 100,000 tensors
+  shard_header       gguf_arch.io.safetensors.read_shard_header on a header of 100,000 tensors
                      vs  baseline: `json.loads` of that header.
 
 Times are wall and CPU seconds (the minimum of --repeats runs; CPU of the child for the
@@ -39,9 +39,9 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gguf_arch.safetensors_index import read_shard_header  # noqa: E402
-from gguf_arch.tokenizer import recover_merges  # noqa: E402
-from tests.quant_rules.real_plan import write_k31pro_plan  # noqa: E402
+from gguf_arch.io.safetensors import read_shard_header  # noqa: E402
+from gguf_arch.arch.tokenizer import recover_merges  # noqa: E402
+from tests.support.real_plan import write_k31pro_plan  # noqa: E402
 
 
 def _child(cmd: list[str]) -> tuple[float, float]:

@@ -48,13 +48,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gguf_arch.config import parse_config  # noqa: E402
-from gguf_arch.tensors import OUT_F32, OUT_MXFP4, plan_tensors  # noqa: E402
+from gguf_arch.arch.config import parse_config  # noqa: E402
+from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, TOKEN_EMBD, plan_tensors  # noqa: E402
 from ggml_graph_spec.cache import CONV_INPUTS, SequenceCache  # noqa: E402
 from ggml_graph_spec.graph import I32, GraphBuild  # noqa: E402
 from ggml_graph_spec.loader import GGUFWeights  # noqa: E402
 from ggml_graph_spec.model import Model, _graph_size, build_forward  # noqa: E402
-from ggml_graph_spec.placement import INPUT, OUTPUT, Placement  # noqa: E402
+from ggml_graph_spec.placement import INPUT_SEGMENT, OUTPUT_SEGMENT, Placement  # noqa: E402
 from ggml_graph_spec.sched import _VIEW_OPS  # noqa: E402
 from tests.support.rpc_servers import Proxy, RpcServers  # noqa: E402
 
@@ -79,7 +79,7 @@ CONTEXTS = (4096, 131072)
 def prepare(workdir: Path) -> Path:
     ckpt, gguf = workdir / "medium", workdir / "medium.gguf"
     if not (ckpt / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "gguf_arch.synth", str(ckpt), *MEDIUM, "--overwrite"], check=True,
+        subprocess.run([sys.executable, "-m", "gguf_arch.synth.cli", str(ckpt), *MEDIUM, "--overwrite"], check=True,
                        cwd=REPO)
     if not gguf.exists():
         subprocess.run([sys.executable, str(REPO / "convert_kimi_k3.py"), str(ckpt), str(gguf), "--quiet"],
@@ -243,7 +243,7 @@ def _leaf_device(weights: GGUFWeights, cache: SequenceCache, placement: Placemen
     """Where a leaf lives: weights and caches with their layer (globals as devices.py places
     them), graph inputs on the CPU."""
     where = {p.name: (placement.layer_device[p.layer] if p.layer is not None else
-                      placement.device_of(INPUT if p.name == "token_embd.weight" else OUTPUT))
+                      placement.device_of(INPUT_SEGMENT if p.name == TOKEN_EMBD else OUTPUT_SEGMENT))
              for p in plan_tensors(weights.cfg)}
     by_address = {ctypes.addressof(t.contents): where[n] for n, t in weights.tensors.items()}
     cfg = weights.cfg
@@ -301,7 +301,8 @@ def real_k31pro_weights():
     tensors = {}
     for p in plan:
         ne = tuple(reversed(p.shape))
-        t = ggml.ggml_new_tensor(ctx, types.get(p.spec.out, ggml.GGML_TYPE_BF16), len(ne), (ctypes.c_int64 * len(ne))(*ne))
+        t = ggml.ggml_new_tensor(ctx, types.get(p.spec.out, ggml.GGML_TYPE_BF16), len(ne),
+                                 (ctypes.c_int64 * len(ne))(*ne))
         ggml.ggml_set_name(t, p.name.encode())
         tensors[p.name] = t
     return GGUFWeights(Path("K3.1-Pro (shapes only)"), cfg, {}, tensors, [], ctx)
@@ -310,9 +311,13 @@ def real_k31pro_weights():
 def project() -> dict:
     weights = real_k31pro_weights()
     cfg = weights.cfg
-    per_layer = [sum(ggml.ggml_nbytes(t) for n, t in weights.tensors.items() if n.startswith(f"blk.{l}."))
-                 for l in range(cfg.num_layers)]
-    globals_ = {n: ggml.ggml_nbytes(t) for n, t in weights.tensors.items() if not n.startswith("blk.")}
+    per_layer, globals_ = [0] * cfg.num_layers, {}
+    for p in plan_tensors(cfg):
+        nbytes = ggml.ggml_nbytes(weights.tensors[p.name])
+        if p.layer is None:
+            globals_[p.name] = nbytes
+        else:
+            per_layer[p.layer] += nbytes
     out = {"model": {"layers": cfg.num_layers, "weights_bytes": sum(per_layer) + sum(globals_.values()),
                      "layer_bytes_min_max": [min(per_layer), max(per_layer)], "global_bytes": globals_},
            "hosts": []}

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import ggml
 
-from gguf_arch.config import K3Config
+from gguf_arch.arch.config import K3Config
 
 from .graph import F16, F32, new_tensor
 

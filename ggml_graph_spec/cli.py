@@ -17,11 +17,12 @@ from typing import Any, Sequence, TextIO
 
 import ggml
 import numpy as np
+from gguf import Keys
 
-from gguf_arch import keys as K
-from gguf_arch.config import K3Config
+from gguf_arch.arch import keys as K
+from gguf_arch.arch.config import K3Config
 from gguf_arch.errors import KimiError, run_cli
-from gguf_arch.tensors import plan_tensors
+from gguf_arch.arch.tensors import plan_tensors
 
 from .loader import GGUFWeights, config_from_metadata, load_gguf
 from .graph import DSA_PATHS
@@ -227,8 +228,8 @@ def generate(model: Model, tokenizer: BPETokenizer, prompt_ids: Sequence[int], s
 # ---------------------------------------------------------------------------------------------
 
 # Tokenizer keys the runner reads, and the BPETokenizer attribute each one sets.
-_TOKENIZER_OVERRIDES = {"tokenizer.ggml.bos_token_id": "bos_id", "tokenizer.ggml.eos_token_id": "eos_id",
-                        "tokenizer.ggml.add_bos_token": "add_bos"}
+_TOKENIZER_OVERRIDES = {Keys.Tokenizer.BOS_ID: "bos_id", Keys.Tokenizer.EOS_ID: "eos_id",
+                        Keys.Tokenizer.ADD_BOS: "add_bos"}
 
 
 def _override_type_matches(value: Any, current: Any) -> bool:
@@ -243,6 +244,8 @@ def apply_kv_overrides(weights: GGUFWeights, tokenizer: BPETokenizer, overrides:
     A value may change anything but the tensor layout: the tensors were validated against the
     file's own keys, and a ggml op on a mis-shaped tensor aborts the process.
     """
+    if not overrides:
+        return  # the loader's config stands: nothing to rebuild
     where = f"{weights.path}: --override-kv"
     meta = dict(weights.metadata)
     for key, value in overrides.items():
@@ -281,7 +284,7 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
     """The model and tokenizer as the arguments ask for them."""
     weights = load_gguf(args.model, repack=args.repack)
     try:
-        tokenizer = BPETokenizer.from_gguf(weights.path)
+        tokenizer = BPETokenizer.from_gguf(weights.reader)
         apply_kv_overrides(weights, tokenizer, dict(args.override_kv))
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
                       dsa=args.dsa == "on", top_k=None, n_threads=args.threads or os.cpu_count() or 1,

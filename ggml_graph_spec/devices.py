@@ -22,19 +22,16 @@ from typing import Any, Sequence
 import ggml
 from tqdm import tqdm
 
-from gguf_arch.tensors import plan_tensors
+from gguf_arch.arch.tensors import TOKEN_EMBD, plan_tensors
 
 from .cache import SequenceCache
 from .loader import GGUFWeights
-from .placement import INPUT, Placement, layer_ranges, parse_tensor_split
+from .placement import INPUT_SEGMENT, Placement, layer_ranges, parse_tensor_split
 from .rpc import (Connection, Endpoint, EndpointError, SizedHere, check_alive, guard, handshake, parse_endpoints,
                   unguard)
 from .sched import SchedExecutor
 
 UPLOAD_CHUNK_BYTES = 64 << 20
-# The one global tensor the INPUT segment reads (model.build_forward's get_rows); every other
-# global tensor belongs to the output head.
-_EMBEDDING = "token_embd.weight"
 
 
 def _size(n: int) -> str:
@@ -99,8 +96,8 @@ class Devices:
         self.upload_bytes = 0
 
     @classmethod
-    def connect(cls, weights: GGUFWeights, rpc: str | Sequence[str], *, tensor_split: str | Sequence[float] | None = None,
-                n_threads: int, progress: bool = False) -> "Devices":
+    def connect(cls, weights: GGUFWeights, rpc: str | Sequence[str], *,
+                tensor_split: str | Sequence[float] | None = None, n_threads: int, progress: bool = False) -> "Devices":
         """Handshake with every server, place the layers, upload the servers' weights."""
         if not ggml.GGML_USE_RPC:
             raise RuntimeError("this ggml-python was built without RPC (rebuild it with CMAKE_ARGS=-DGGML_RPC=ON)")
@@ -113,7 +110,8 @@ class Devices:
             if shares is None:
                 shares = (*(_server_memory(c.ggml_endpoint) for c in connections), _cpu_memory())
             placement = Placement.plan(names, weights.cfg.num_layers, shares)
-            remotes = {d: _Remote(endpoints[d], connections[d], ggml.ggml_backend_rpc_init(connections[d].ggml_endpoint, 0))
+            remotes = {d: _Remote(endpoints[d], connections[d],
+                                  ggml.ggml_backend_rpc_init(connections[d].ggml_endpoint, 0))
                        for d in placement.used() if d != placement.cpu}
         except BaseException:
             for c in connections:
@@ -134,7 +132,9 @@ class Devices:
     def _device_of_tensor(self, name: str, layer: int | None) -> int:
         if layer is not None:
             return self.placement.layer_device[layer]
-        return self.placement.device_of(INPUT) if name == _EMBEDDING else self.placement.output_device
+        # The embedding is what the input segment reads (build_forward's get_rows); every other
+        # global tensor belongs to the output head.
+        return self.placement.device_of(INPUT_SEGMENT) if name == TOKEN_EMBD else self.placement.output_device
 
     def _upload(self, progress: bool) -> None:
         for p in plan_tensors(self.weights.cfg):
@@ -201,10 +201,10 @@ class Devices:
         cpu = ggml.ggml_backend_cpu_init()
         ggml.ggml_backend_cpu_set_n_threads(cpu, self._n_threads)
         self._compute_types = [SizedHere(ggml.ggml_backend_get_default_buffer_type(b)) for b in backends]
+        buffer_types = [t.address for t in self._compute_types] + [ggml.ggml_backend_get_default_buffer_type(cpu)]
         return SchedExecutor([*backends, cpu], n_nodes,
                              lambda segment: index.get(self.placement.device_of(segment), len(backends)),
-                             lambda: self.check("before a graph"),
-                             [t.address for t in self._compute_types] + [ggml.ggml_backend_get_default_buffer_type(cpu)])
+                             lambda: self.check("before a graph"), buffer_types)
 
     def traffic(self) -> dict[str, tuple[int, int]]:
         """Per server: (bytes sent, bytes received) on ggml's connection since it opened."""

@@ -14,9 +14,12 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 import ggml
 import numpy as np
 
-from gguf_arch.config import K3Config
+from gguf_arch.arch.config import K3Config
 
-from .placement import INPUT
+# What every builder passes around: a node of the graph (or a weight) as ggml-python's pointer.
+Tensor = ggml.ggml_tensor_p
+
+from .placement import INPUT_SEGMENT
 
 F32 = ggml.GGML_TYPE_F32
 F16 = ggml.GGML_TYPE_F16
@@ -51,8 +54,9 @@ class GraphBuild:
     persistent caches with `store` / `overwrite`, and keep extra outputs with `record`.
 
     With `segments`, every tensor is also labelled with the segment (a layer index, or
-    placement.INPUT / OUTPUT) that was current when it was created (`begin_segment`), so that an
-    executor over several devices can run each segment where its weights and caches are.
+    placement.INPUT_SEGMENT / OUTPUT_SEGMENT) that was current when it was created
+    (`begin_segment`), so that an executor over several devices can run each segment where its
+    weights and caches are.
     """
 
     def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
@@ -74,7 +78,7 @@ class GraphBuild:
         self.records: dict[tuple[str, int], Any] = {}
         self._row_ids: dict[int, Any] = {}  # n -> I32 input 0..n-1 (exact path's weight rows)
         self._segments: dict[int, Hashable] | None = {} if segments else None  # tensor address -> segment
-        self._segment: Hashable = INPUT
+        self._segment: Hashable = INPUT_SEGMENT
         self._seen = None  # the last tensor of ctx given a segment
         self.kq_mask = self.input("kq_mask", F32, (self.n_kv, n_tokens), causal_mask(self.n_past, n_tokens))
 

@@ -16,8 +16,8 @@ from typing import Hashable, Sequence
 
 from gguf_arch.errors import KimiError
 
-INPUT = "input"  # graph segment of the token embedding (GraphBuild's first segment)
-OUTPUT = "output"  # graph segment of the output head
+INPUT_SEGMENT = "input"  # graph segment of the token embedding (GraphBuild's first segment)
+OUTPUT_SEGMENT = "output"  # graph segment of the output head
 
 
 class PlacementError(KimiError):
@@ -86,10 +86,10 @@ class Placement:
         return self.layer_device[-1]
 
     def device_of(self, segment: Hashable) -> int:
-        """The device of a graph segment: a layer index, INPUT or OUTPUT."""
-        if segment == INPUT:
+        """The device of a graph segment: a layer index, INPUT_SEGMENT or OUTPUT_SEGMENT."""
+        if segment == INPUT_SEGMENT:
             return self.cpu
-        if segment == OUTPUT:
+        if segment == OUTPUT_SEGMENT:
             return self.output_device
         return self.layer_device[segment]
 

@@ -22,8 +22,8 @@ import regex
 from gguf import GGUFReader, Keys, TokenType
 
 from gguf_arch.errors import GGUFError
-from gguf_arch.gguf_file import open_gguf
-from gguf_arch.tokenizer import GGUF_TOKENIZER_MODEL, GGUF_TOKENIZER_PRE, KIMI_K2_PATTERN, byte_to_unicode
+from gguf_arch.io.gguf_file import open_gguf
+from gguf_arch.arch.tokenizer import GGUF_TOKENIZER_MODEL, GGUF_TOKENIZER_PRE, KIMI_K2_PATTERN, byte_to_unicode
 
 # V1 gives `regex` the set operations (`&&`) of the Rust regex engine tiktoken runs on.
 _PRE_TOKENIZERS = {GGUF_TOKENIZER_PRE: regex.compile(KIMI_K2_PATTERN, flags=regex.V1)}

@@ -1,34 +1,19 @@
-"""Glue between the converter's plan and the rules: planned outputs in, final-type bytes out.
+"""From contract-type bytes to final-type bytes: the rules' decisions applied to a tensor stream.
 
-The converter's plan gives each output tensor its contract type (`gguf_arch.convert.output_type`)
-and the transforms produce its bytes at that type; the rules then pick the final type and
-`final_chunks` re-encodes when the two differ.
+The converter's plan gives each output tensor its contract type and the transforms produce its
+bytes at that type; the rules (`rules.resolve_types`) pick the final type, `final_outputs` lays
+the output out with it and `final_chunks` re-encodes when the two differ.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator
 
 from gguf import GGMLQuantizationType as Q
 
-from gguf_arch.safetensors_index import TensorMeta
-from gguf_arch.writer import OutputTensor
+from gguf_arch.io.gguf_writer import OutputTensor
 
 from .quantize import ErrorMeter, reencode
-from .rules import Decision, QuantOptions, Resolution, TypedTensor, resolve_types, type_name
-
-if TYPE_CHECKING:  # gguf_arch.convert imports this module
-    from gguf_arch.convert import PlannedOutput
-
-
-def typed_tensor(p: "PlannedOutput", metas: Mapping[str, TensorMeta]) -> TypedTensor:
-    o = p.output
-    source = "MXFP4" if o.ggml_type == Q.MXFP4 else metas[p.tensor.sources[0][0]].dtype
-    return TypedTensor(o.name, o.shape, source, o.ggml_type)
-
-
-def resolve_plan(outputs: Iterable["PlannedOutput"], metas: Mapping[str, TensorMeta],
-                 options: QuantOptions) -> Resolution:
-    return resolve_types((typed_tensor(p, metas) for p in outputs), options)
+from .rules import Decision, Resolution, type_name
 
 
 def final_outputs(resolution: Resolution) -> tuple[OutputTensor, ...]:

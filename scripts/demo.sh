@@ -11,7 +11,7 @@ MODEL="$OUT/tiny-model"
 GGUF="$OUT/tiny.gguf"
 
 echo "== generate $MODEL (seeded random weights, tiny preset)"
-python -m gguf_arch.synth "$MODEL" --preset tiny --variant k31pro --overwrite
+python -m gguf_arch.synth.cli "$MODEL" --preset tiny --variant k31pro --overwrite
 
 echo "== convert to $GGUF"
 python convert_kimi_k3.py "$MODEL" "$GGUF" --overwrite
@@ -23,7 +23,7 @@ from collections import Counter
 
 from gguf import GGUFReader
 
-from gguf_arch.keys import ARCH
+from gguf_arch.arch.keys import ARCH
 
 reader = GGUFReader(sys.argv[1])
 arch = reader.fields["general.architecture"].contents()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gguf_arch.convert import convert
+from gguf_arch.convert.run import convert
 
 from tests.support.paths import FIXTURES, K3_TINY, K31PRO_TINY, REFERENCE
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 DEMO = REPO / "scripts" / "demo.sh"
 
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 
 import convert_kimi_k3
-from gguf_arch import convert as convert_mod
-from gguf_arch import writer as writer_mod
-from gguf_arch.integrity import manifest_path
-from gguf_arch.writer import partial_path
+from gguf_arch.convert import run as convert_mod
+from gguf_arch.io import gguf_writer as writer_mod
+from gguf_arch.io.manifest import manifest_path
+from gguf_arch.io.gguf_writer import partial_path
 
-from .cli import FIXTURES, run_cli, start_cli
+from tests.support.cli import run_cli, start_cli
+from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"
 
@@ -111,11 +112,11 @@ def test_injected_enospc_at_fsync(tmp_path, monkeypatch, capsys):
 
 def test_disk_full_while_writing_the_manifest(tmp_path, monkeypatch, capsys, reference):
     """The GGUF is complete and in place; the manifest is not written, and the line says which."""
-    from gguf_arch import integrity
+    from gguf_arch.io import manifest
 
     def dump(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(integrity.json, "dump", dump)
+    monkeypatch.setattr(manifest.json, "dump", dump)
     out = tmp_path / "out.gguf"
     _main_fails(capsys, 1, K3_TINY, out, needles=(f"writing {manifest_path(out)} failed", "No space left"))
     assert out.read_bytes() == reference
@@ -127,16 +128,16 @@ def test_disk_full_while_writing_the_manifest(tmp_path, monkeypatch, capsys, ref
 _KILL = "import os, signal\ndef _die(*a, **k):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
 KILL_POINTS = {
     # before any output exists: while reading the tokenizer
-    "planning": "import gguf_arch.convert as m\nm.gguf_metadata = _die",
+    "planning": "import gguf_arch.convert.run as m\nm.gguf_metadata = _die",
     # the header is in <out>.partial, no tensor data yet
-    "after-header": "import gguf_arch.writer as m\nm._write_data = _die",
+    "after-header": "import gguf_arch.io.gguf_writer as m\nm._write_data = _die",
     # in the middle of the tensor data
-    "mid-data": ("import gguf_arch.convert as m\nreal = m.tensor_chunks\n"
+    "mid-data": ("import gguf_arch.convert.run as m\nreal = m.tensor_chunks\n"
                  "m.tensor_chunks = lambda pt, *a: _die() if pt.name.startswith('blk.3.') else real(pt, *a)"),
     # data complete and fsync'd, not yet renamed
-    "before-rename": "import gguf_arch.writer as m\nm.os.replace = _die",
+    "before-rename": "import gguf_arch.io.gguf_writer as m\nm.os.replace = _die",
     # renamed into place, the manifest not yet written
-    "before-manifest": "import gguf_arch.convert as m\nm.write_manifest = _die",
+    "before-manifest": "import gguf_arch.convert.run as m\nm.write_manifest = _die",
 }
 
 
@@ -162,7 +163,7 @@ def test_sigkill_then_a_fresh_run(tmp_path, capsys, reference, point):
 def test_sigkill_at_random_times(tmp_path, reference):
     """Seeded random kill times over a conversion slowed to ~4 s: whatever the moment, the final
     name holds either nothing or the complete, byte-identical conversion."""
-    slow = ("import time, gguf_arch.convert as m\nreal = m.tensor_chunks\n"
+    slow = ("import time, gguf_arch.convert.run as m\nreal = m.tensor_chunks\n"
             "def slow(*a):\n    time.sleep(0.01)\n    return real(*a)\nm.tensor_chunks = slow")
     rng = random.Random(8)
     for i in range(4):

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gguf_arch import safetensors_index
-from gguf_arch.config import load_config, parse_config
+from gguf_arch.io import safetensors as st_reader
+from gguf_arch.arch.config import load_config, parse_config
 from gguf_arch.errors import CheckpointError, ConfigError, TokenizerError
-from gguf_arch.tensors import plan_tensors
-from gguf_arch.tokenizer import read_ranks, read_special_tokens, tokenizer_metadata
+from gguf_arch.arch.tensors import plan_tensors
+from gguf_arch.arch.tokenizer import read_ranks, read_special_tokens, tokenizer_metadata
 
 from .harness import FUZZ, assert_clean, corpus_files
 from tests.support.paths import K3_TINY as FIXTURE
@@ -56,7 +56,7 @@ def model_dir(tmp_path) -> Path:
 
 
 def _check_index(model_dir: Path, monkeypatch, blob: bytes) -> None:
-    (model_dir / safetensors_index.INDEX_FILE).write_bytes(blob)
+    (model_dir / st_reader.INDEX_FILE).write_bytes(blob)
     opened: list[Path] = []
 
     def recording(real):
@@ -65,9 +65,9 @@ def _check_index(model_dir: Path, monkeypatch, blob: bytes) -> None:
                 opened.append(Path(p))
             return real(p, *a, **k)
         return opener
-    monkeypatch.setattr(safetensors_index, "open", recording(open), raising=False)
-    monkeypatch.setattr(safetensors_index.os, "open", recording(os.open))
-    ckpt = _raises_cleanly(CheckpointError, safetensors_index.open_checkpoint, model_dir)
+    monkeypatch.setattr(st_reader, "open", recording(open), raising=False)
+    monkeypatch.setattr(st_reader.os, "open", recording(os.open))
+    ckpt = _raises_cleanly(CheckpointError, st_reader.open_checkpoint, model_dir)
     root = model_dir.resolve()
     assert all(p.resolve().parent == root for p in opened), opened
     if ckpt is not None:
@@ -227,13 +227,13 @@ def test_a_zero_situ_cap_is_refused_at_conversion(field):
 
 # ---- files that are not regular files --------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["config.json", safetensors_index.INDEX_FILE, "tiktoken.model", "tokenizer_config.json"])
+@pytest.mark.parametrize("name", ["config.json", st_reader.INDEX_FILE, "tiktoken.model", "tokenizer_config.json"])
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_a_checkpoint_file_that_is_not_a_regular_file(tmp_path, name, kind):
     """A FIFO planted under one of the checkpoint's own file names would block a plain open()
     until a writer comes (forever): the converter refuses it at once, one line, exit 2. Run in a
     child process with a timeout, so a regression fails instead of hanging the suite."""
-    from tests.faults.cli import run_cli
+    from tests.support.cli import run_cli
     model = tmp_path / "model"
     shutil.copytree(FIXTURE, model)
     (model / name).unlink()

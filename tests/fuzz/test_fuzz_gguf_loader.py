@@ -15,7 +15,7 @@ from gguf import GGUFReader
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gguf_arch.integrity import check_hashes, manifest_path, read_manifest
+from gguf_arch.io.manifest import check_hashes, manifest_path, read_manifest
 
 from . import gguf_worker
 from .gguf_worker import Worker

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gguf_arch.errors import CheckpointError
-from gguf_arch.safetensors_index import NUMPY_DTYPES, Checkpoint, read_shard_header
+from gguf_arch.io.safetensors import NUMPY_DTYPES, Checkpoint, read_shard_header
 
 from .harness import FUZZ, assert_clean, corpus_files
 

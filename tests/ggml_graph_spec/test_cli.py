@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from gguf_arch.errors import EXIT_BAD_INPUT
 from ggml_graph_spec.cli import main, parse_override_kv
 from ggml_graph_spec.tokenizer import BPETokenizer
+from tests.support.paths import REPO
 
 PROMPT = "[BOS]The old woman sold honey in small"  # the fixtures' short prompt
 
@@ -152,7 +152,7 @@ def test_dsa_override_on_a_plain_k3_gguf_is_bad_input(capsys, k3_tiny_gguf):
 
 
 def test_split_gguf_runs_from_its_first_file(capsys, tmp_path, k3_tiny_gguf, k3_ref):
-    from tests.gguf_arch.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
+    from tests.support.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
 
     rewritten_copy(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
     first = tmp_path / "split-00001-of-00003.gguf"
@@ -161,9 +161,8 @@ def test_split_gguf_runs_from_its_first_file(capsys, tmp_path, k3_tiny_gguf, k3_
 
 
 def test_python_dash_m_is_the_cli_with_its_exit_codes(tmp_path):
-    repo = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(tmp_path / "none.gguf"), "-p", "x"],
-                       cwd=repo, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_BAD_INPUT
     assert r.stdout == "" and r.stderr.count("\n") == 1 and "none.gguf: not found" in r.stderr
 
@@ -175,7 +174,7 @@ def test_a_model_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
     model = tmp_path / "model.gguf"
     os.mkfifo(model) if kind == "fifo" else model.mkdir()
     r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(model), "-p", "x"],
-                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60)
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == EXIT_BAD_INPUT and r.stderr.count("\n") == 1, r.stderr
     assert f"{model}: " in r.stderr and ("not a regular file" if kind == "fifo" else "is a directory") in r.stderr
 

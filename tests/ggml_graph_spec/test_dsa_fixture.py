@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from gguf_arch.keys import INDEXER_TOP_K
+from gguf_arch.arch.keys import INDEXER_TOP_K
 from ggml_graph_spec.graph import DSA_PATHS
 from ggml_graph_spec.model import Model
 

@@ -11,12 +11,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from gguf_arch import keys as K
-from gguf_arch.config import load_config
+from gguf_arch.arch import keys as K
+from gguf_arch.arch.config import load_config
 from gguf_arch.errors import GGUFError
-from gguf_arch.tensors import plan_tensors
+from gguf_arch.arch.tensors import plan_tensors
 from ggml_graph_spec.loader import load_gguf
-from tests.gguf_arch.gguf_edit import rewritten_copy
+from tests.support.gguf_edit import rewritten_copy
 
 
 @pytest.mark.parametrize("which", ["k3", "k31pro"])

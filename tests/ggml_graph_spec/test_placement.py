@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_graph_spec.placement import (INPUT, OUTPUT, Placement, PlacementError, layer_ranges, parse_tensor_split,
-                                       split_layers)
+from ggml_graph_spec.placement import (INPUT_SEGMENT, OUTPUT_SEGMENT, Placement, PlacementError, layer_ranges,
+                                       parse_tensor_split, split_layers)
 
 
 @pytest.mark.parametrize("n_layers, shares, want", [
@@ -41,7 +41,7 @@ def test_bad_tensor_split_is_one_line(text, message):
 def test_placement_puts_the_embedding_here_and_the_output_with_the_last_layer():
     p = Placement.plan(["RPC0[a:1]", "RPC1[b:2]", "CPU"], 6, [1, 1, 0])
     assert p.layer_device == (0, 0, 0, 1, 1, 1)
-    assert p.device_of(INPUT) == 2 and p.device_of(OUTPUT) == 1 and p.device_of(4) == 1
+    assert p.device_of(INPUT_SEGMENT) == 2 and p.device_of(OUTPUT_SEGMENT) == 1 and p.device_of(4) == 1
     assert p.used() == [0, 1, 2] and p.layers_on(2) == []
 
 

@@ -16,17 +16,24 @@ import ggml
 import numpy as np
 import pytest
 
+from gguf_arch.arch.tensors import ATTN_NORM, OUTPUT, TOKEN_EMBD, layer_name
 from ggml_graph_spec.graph import F32, GraphBuild, new_tensor
 from ggml_graph_spec.model import Model
-from ggml_graph_spec.placement import INPUT
+from ggml_graph_spec.placement import INPUT_SEGMENT
 from ggml_graph_spec.rpc import Endpoint, Connection
 from ggml_graph_spec.sched import SchedExecutor
-from tests.ggml_graph_spec.test_model import (HIDDEN_ATOL, N_CTX, _assert_logits, assert_greedy_matches,  # noqa: F401
-                                              fixture)
+from tests.support.reference import LOGITS_ATOL, N_CTX, assert_greedy_matches, assert_logits, load_reference
 from tests.support.paths import REPO
 from tests.support.rpc_servers import Proxy, RpcServers
 
 THREE_WAYS = "1,1,1"  # two servers, then this host: layers 0-4, 5-8, 9-12 of the 13
+HIDDEN_ATOL = LOGITS_ATOL  # the fixture README's suggestion for hidden states too (tests/support/reference.py)
+
+
+@pytest.fixture(scope="module", params=["k3", "k31pro"])
+def fixture(request, k3_tiny_gguf, k31pro_tiny_gguf, k3_tiny_dir, k31pro_tiny_dir):
+    gguf, model_dir = {"k3": (k3_tiny_gguf, k3_tiny_dir), "k31pro": (k31pro_tiny_gguf, k31pro_tiny_dir)}[request.param]
+    return gguf, load_reference(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,7 @@ def test_exact_path_over_two_servers_matches_the_reference(fixture, servers):
     try:
         for prompt in ("short", "long"):
             m.reset()
-            _assert_logits(m.eval(ref[f"input_ids_{prompt}"]), ref[f"logits_{prompt}"], f"logits_{prompt}")
+            assert_logits(m.eval(ref[f"input_ids_{prompt}"]), ref[f"logits_{prompt}"], f"logits_{prompt}")
         assert m.executor.n_splits() == 4  # embedding here, layers 0-4 and 5-8 there, 9-12 + output here
         assert_greedy_matches(m, ref)
         m.reset()
@@ -72,12 +79,12 @@ def test_each_layer_keeps_its_weights_and_state_on_its_device(k31pro_tiny_gguf, 
         want = [a] * 5 + [b] * 4 + ["here"] * 4
         assert m.devices.placement.layer_device == (0,) * 5 + (1,) * 4 + (2,) * 4
         for l in range(m.cfg.num_layers):
-            tensors = [m.weights.tensors[f"blk.{l}.attn_norm.weight"]]
+            tensors = [m.weights.tensors[layer_name(ATTN_NORM, l)]]
             tensors += [m.cache.kda_state(l), m.cache.kda_conv(l, "q")] if m.cfg.is_kda(l) else \
                 [m.cache.mla_latent(l), m.cache.indexer_keys(l)]
             assert [_where(t) for t in tensors] == [want[l]] * len(tensors), l
-        assert _where(m.weights.tensors["token_embd.weight"]) == "here"
-        assert _where(m.weights.tensors["output.weight"]) == "here"
+        assert _where(m.weights.tensors[TOKEN_EMBD]) == "here"
+        assert _where(m.weights.tensors[OUTPUT]) == "here"
     finally:
         m.close()
 
@@ -108,19 +115,19 @@ def test_forced_small_top_k_over_rpc_matches_the_reference(k31pro_tiny_gguf, k31
     ref = np.load(k31pro_tiny_dir / "reference.npz")
     m = _load(k31pro_tiny_gguf, servers, exact_experts=True, top_k=8, dsa_path=dsa_path)
     try:
-        _assert_logits(m.eval(ref["input_ids_long"]), ref["topk8__logits_long"], "topk8__logits_long")
+        assert_logits(m.eval(ref["input_ids_long"]), ref["topk8__logits_long"], "topk8__logits_long")
     finally:
         m.close()
 
 
 def test_split_gguf_over_rpc(tmp_path, k3_tiny_gguf, k3_tiny_dir, servers):
-    from tests.gguf_arch.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
+    from tests.support.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
 
     rewritten_copy(k3_tiny_gguf, tmp_path / "split.gguf", split_max_tensors=150)
     ref = np.load(k3_tiny_dir / "reference.npz")
     m = _load(tmp_path / "split-00001-of-00003.gguf", servers, exact_experts=True)
     try:
-        _assert_logits(m.eval(ref["input_ids_short"]), ref["logits_short"], "logits_short")
+        assert_logits(m.eval(ref["input_ids_short"]), ref["logits_short"], "logits_short")
     finally:
         m.close()
 
@@ -134,7 +141,7 @@ def test_a_view_among_another_devices_nodes_is_refused_before_compute(servers):
                                                 no_alloc=True))
     weight = new_tensor(wctx, F32, (4, 2))
     buffer = ggml.ggml_backend_alloc_ctx_tensors(wctx, rpc)
-    exe = SchedExecutor([rpc, cpu], 64, lambda seg: 1 if seg == INPUT else 0, lambda: None)
+    exe = SchedExecutor([rpc, cpu], 64, lambda seg: 1 if seg == INPUT_SEGMENT else 0, lambda: None)
     try:
         def make(ctx, gf):
             return GraphBuild(ctx, gf, None, _NoCache(), n_tokens=2, exact=True, top_k=None, segments=True)
@@ -311,7 +318,7 @@ def test_a_reconnecting_client_is_not_sent_cached_weights_again(tmp_path, big_hi
             m = Model.load(big_hidden_gguf, n_ctx=16, n_threads=1, rpc=one.endpoints, tensor_split="1,0")
             try:
                 sent.append(m.devices.traffic()[one.endpoints[0]][0])
-                big = ggml.ggml_nbytes(m.weights.tensors["output.weight"])
+                big = ggml.ggml_nbytes(m.weights.tensors[OUTPUT])
             finally:
                 m.close()
     assert big > 10 << 20 and sent[0] > big
@@ -322,12 +329,11 @@ def test_a_reconnecting_client_is_not_sent_cached_weights_again(tmp_path, big_hi
 @pytest.fixture(scope="module")
 def big_hidden_gguf(tmp_path_factory):
     """A synthetic K3.1-Pro GGUF whose output head exceeds ggml's RPC hash threshold (hidden 6144)."""
-    from gguf_arch.convert import convert
+    from gguf_arch.convert.run import convert
+    from gguf_arch.synth.cli import main as synth
 
     d = tmp_path_factory.mktemp("bighidden")
-    r = subprocess.run([sys.executable, "-m", "gguf_arch.synth", str(d / "ckpt"), "--preset", "tiny", "--hidden",
-                        "6144", "--layers", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    assert synth([str(d / "ckpt"), "--preset", "tiny", "--hidden", "6144", "--layers", "4"]) == 0
     convert(d / "ckpt", d / "big.gguf", log=lambda _msg: None)
     return d / "big.gguf"
 

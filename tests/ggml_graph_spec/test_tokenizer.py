@@ -12,11 +12,11 @@ from gguf import GGUFWriter, TokenType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gguf_arch.config import load_config
+from gguf_arch.arch.config import load_config
 from gguf_arch.errors import GGUFError
-from gguf_arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges, tokenizer_metadata
+from gguf_arch.arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges, tokenizer_metadata
 from ggml_graph_spec.tokenizer import BPETokenizer
-from tests.gguf_arch.synthetic_bpe import multilingual_corpus, train_bpe
+from tests.support.bpe import kimi_bpe, multilingual_corpus
 from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"
@@ -75,7 +75,7 @@ def fixture_enc() -> tiktoken.Encoding:
 
 @pytest.fixture(scope="module")
 def trained() -> tuple[BPETokenizer, tiktoken.Encoding]:
-    ranks = train_bpe(multilingual_corpus(12000), 3000)
+    ranks = kimi_bpe(multilingual_corpus(12000), 3000)
     enc = tiktoken.Encoding("trained", pat_str=KIMI_K2_PATTERN,
                             mergeable_ranks={t: r for r, t in enumerate(ranks)}, special_tokens={})
     return tokenizer_from_ranks(ranks), enc
@@ -84,7 +84,7 @@ def trained() -> tuple[BPETokenizer, tiktoken.Encoding]:
 # --- the pre-tokenizer -----------------------------------------------------------------------------
 
 def test_pattern_is_the_fixture_readme_pat_str() -> None:
-    readme = (K3_TINY / "README.md").read_text().splitlines()
+    readme = (FIXTURES / "README.md").read_text().splitlines()
     assert [line for line in readme if line.startswith(r"[\p{Han}]+|")] == [KIMI_K2_PATTERN]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ggml_graph_spec.model import Model
-from tests.gguf_arch.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
+from tests.support.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
 
 from .conftest import GGML_TYPE_F32, LoadFailure, llama_run, requires_llama_cpp
 

@@ -5,10 +5,10 @@ import pytest
 import tiktoken
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 
-from gguf_arch.keys import ARCH
-from gguf_arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges
+from gguf_arch.arch.keys import ARCH
+from gguf_arch.arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges
 from ggml_graph_spec.tokenizer import BPETokenizer
-from tests.gguf_arch.synthetic_bpe import multilingual_corpus, train_bpe
+from tests.support.bpe import kimi_bpe, multilingual_corpus
 from tests.ggml_graph_spec.test_tokenizer import MULTILINGUAL, fixture_encoding
 
 from .conftest import llama_run, requires_llama_cpp
@@ -37,7 +37,7 @@ def test_fixture_gguf_tokenizes_like_ours_and_tiktoken(tmp_path, k3_tiny_gguf, k
 def multilingual_vocab(tmp_path_factory, k3_tiny_gguf) -> tuple:
     """A vocabulary-only kimi-k3 GGUF whose 3000 merges were learned on seven scripts (the
     fixture's 400 merges are English only, so there CJK text is mostly single bytes)."""
-    ranks = train_bpe(multilingual_corpus(12000), 3000)
+    ranks = kimi_bpe(multilingual_corpus(12000), 3000)
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIALS)}
     path = tmp_path_factory.mktemp("vocab") / "multilingual-vocab.gguf"
     w = GGUFWriter(path, ARCH)

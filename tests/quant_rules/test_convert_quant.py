@@ -11,11 +11,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, quants
 
 import convert_kimi_k3
-from gguf_arch.safetensors_index import open_checkpoint
-from gguf_arch.transforms import to_f32
+from gguf_arch.io.safetensors import open_checkpoint
+from gguf_arch.io.safetensors import to_f32
 from quant_rules.rules import load_protected_set
 
-from .real_plan import write_k31pro_plan
+from tests.support.real_plan import write_k31pro_plan
 
 
 def _tensors(path) -> dict:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gguf_arch.config import load_config
-from gguf_arch.convert import plan_conversion
+from gguf_arch.arch.config import load_config
+from gguf_arch.convert.plan import plan_conversion
 from gguf_arch.errors import EXIT_BAD_INPUT
-from gguf_arch.safetensors_index import open_checkpoint
-from gguf_arch.tensors import OUT_F32, plan_tensors
-from quant_rules.apply import typed_tensor
+from gguf_arch.io.safetensors import open_checkpoint
+from gguf_arch.arch.tensors import OUT_F32, plan_tensors
 from quant_rules.rules import (QuantOptions, QuantRuleError, TypedTensor, load_protected_set, parse_tensor_type,
                                resolve_types)
 
@@ -22,7 +21,7 @@ def tiny(k31pro_tiny_dir):
     cfg = load_config(k31pro_tiny_dir)
     with open_checkpoint(k31pro_tiny_dir) as ckpt:
         plan = plan_conversion(cfg, ckpt.metas)
-        return [typed_tensor(p, ckpt.metas) for p in plan.outputs], plan
+        return [p.typed() for p in plan.outputs], plan
 
 
 def _rules(*texts: str) -> tuple:

@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 
-from gguf_arch.config import load_config
-from gguf_arch.safetensors_index import INDEX_FILE, open_checkpoint
-from gguf_arch.tensors import TABLE, plan_tensors
-from quant_rules.cli_options import listing_resolution
+from gguf_arch.arch.config import load_config
+from gguf_arch.io.safetensors import INDEX_FILE, open_checkpoint
+from gguf_arch.arch.tensors import TABLE, plan_tensors
+from gguf_arch.convert.listing import listing_resolution
 from quant_rules.rules import QuantOptions
 
-from .real_plan import write_k31pro_plan
+from tests.support.real_plan import write_k31pro_plan
 
 # The five families K3 stores in f32 (conv1d q/k/v, A_log, dt_bias, o_norm, e_score_correction_bias).
 F32_OUTPUTS = re.compile(r"blk\.\d+\.(ssm_conv1d_[qkv]\.weight|ssm_a|ssm_dt\.bias|ssm_norm\.weight|exp_probs_b\.bias)$")

@@ -1,0 +1,30 @@
+"""The SiTU MLP (k3-spec D.5) and the leading dense layers' FFN (D.7).
+
+Activations are F32 with ne = [width, n_tokens] (one sequence).
+"""
+from __future__ import annotations
+
+import ggml
+
+from gguf_arch.arch.tensors import FFN_DOWN, FFN_GATE, FFN_UP
+
+from ..graph import GraphBuild, Tensor
+from ..loader import LayerWeights
+
+
+def situ(g: GraphBuild, gate: Tensor, up: Tensor) -> Tensor:
+    """[b1*tanh(gate/b1)*sigmoid(gate)] * [b2*tanh(up/b2)], in F32 (D.5)."""
+    c, b1, b2 = g.ctx, g.cfg.situ_beta, g.cfg.situ_linear_beta
+    capped_gate = ggml.ggml_scale(c, ggml.ggml_tanh(c, ggml.ggml_scale(c, gate, 1.0 / b1)), b1)
+    capped_up = ggml.ggml_scale(c, ggml.ggml_tanh(c, ggml.ggml_scale(c, up, 1.0 / b2)), b2)
+    return ggml.ggml_mul(c, ggml.ggml_mul(c, capped_gate, ggml.ggml_sigmoid(c, gate)), capped_up)
+
+
+def situ_mlp(g: GraphBuild, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """W_down(situ(W_gate x, W_up x)): the dense layer-0 FFN and the shared experts (D.5, D.7)."""
+    return g.mm(w_down, situ(g, g.mm(w_gate, x), g.mm(w_up, x)))
+
+
+def build_dense_ffn(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
+    """The leading dense layers' SiTU MLP (D.7)."""
+    return situ_mlp(g, x, w(FFN_GATE), w(FFN_UP), w(FFN_DOWN))

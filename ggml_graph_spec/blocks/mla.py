@@ -1,0 +1,177 @@
+"""Gated NoPE MLA in the absorbed form over a latent cache (k3-spec D.3 and E.5).
+
+Layout (ggml `ne` order, one sequence): x [n_embd, T]; per token the cache row is the normed
+latent c [kv_lora] followed by the raw k_pe [rope] (no norm, no rotation: K3 is NoPE, its
+"rope" dims are plain learned dims). Each head's query is absorbed into the latent space,
+q_lat_h = W_kb[h]^T q_nope_h, so that score_h = q_lat_h . c + q_pe_h . k_pe is one dot product
+of [q_lat_h | q_pe_h] with the cache row; the value is the latent itself (a view of the first
+kv_lora values of the row) and the output leaves the latent space through attn_v_b.
+
+Two attention kernels share everything else:
+* exact (`g.exact`): F32 cache, `mul_mat` + `soft_max_ext` with an F32 mask, no f16 anywhere;
+* fast: `flash_attn_ext` with F16 K/V (the cache) and an F16 mask, as llama.cpp runs it.
+"""
+from __future__ import annotations
+
+import ggml
+
+from gguf_arch.arch.tensors import (ATTN_GATE, ATTN_KV_A_MQA, ATTN_KV_A_NORM, ATTN_K_B, ATTN_OUTPUT,
+                                    ATTN_Q_A, ATTN_Q_A_NORM, ATTN_Q_B, ATTN_V_B)
+
+from . import dsa
+from ..graph import GraphBuild, Tensor
+from ..loader import LayerWeights
+
+# Moonshot's q_a_layernorm / kv_a_layernorm are built without eps and use the class default;
+# llama.cpp uses the model's rms_norm_eps here instead.
+LATENT_NORM_EPS = 1e-6
+
+_F16 = ggml.GGML_TYPE_F16
+
+# The gathered DSA path copies T * k cache rows; queries go through in groups of at most this
+# many bytes of them (see attend_gathered).
+GATHER_CHUNK_BYTES = 64 << 20
+
+
+def q_lora_latent(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
+    """cq = rmsnorm(attn_q_a x), [q_lora, T]: the MLA queries and the DSA indexer queries read it."""
+    return g.rms_norm(g.mm(w(ATTN_Q_A), x), w(ATTN_Q_A_NORM), LATENT_NORM_EPS)
+
+
+def absorbed_query(g: GraphBuild, w: LayerWeights, cq: Tensor) -> Tensor:
+    """[q_lat | q_pe] per head, ne [kv_lora + rope, T, H]."""
+    c = g.cfg
+    ctx, T, H = g.ctx, g.n_tokens, c.num_heads
+    q = ggml.ggml_reshape_3d(ctx, g.mm(w(ATTN_Q_B), cq), c.qk_head_dim, H, T)
+    f = ggml.ggml_element_size(q)
+    q_nope = ggml.ggml_view_3d(ctx, q, c.qk_nope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2], 0)
+    q_pe = ggml.ggml_view_3d(ctx, q, c.qk_rope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2],
+                             c.qk_nope_head_dim * f)
+    # Heads become the batch dim so attn_k_b [nope, kv_lora, H] multiplies each head's query.
+    q_nope = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [nope, T, H]
+    q_lat = g.mm(w(ATTN_K_B), q_nope)  # [kv_lora, T, H]
+    q_pe = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_pe, 0, 2, 1, 3))  # [rope, T, H]
+    return ggml.ggml_concat(ctx, q_lat, q_pe, 0)
+
+
+def latent_row(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
+    """The cache row per token, [rmsnorm(c) | k_pe], ne [kv_lora + rope, T]."""
+    c = g.cfg
+    ctx, T = g.ctx, g.n_tokens
+    kv = g.mm(w(ATTN_KV_A_MQA), x)  # [kv_lora + rope, T]
+    f = ggml.ggml_element_size(kv)
+    lat = ggml.ggml_view_2d(ctx, kv, c.kv_lora_rank, T, kv.contents.nb[1], 0)
+    k_pe = ggml.ggml_view_2d(ctx, kv, c.qk_rope_head_dim, T, kv.contents.nb[1], c.kv_lora_rank * f)
+    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w(ATTN_KV_A_NORM), LATENT_NORM_EPS)
+    return ggml.ggml_concat(ctx, lat, ggml.ggml_cont(ctx, k_pe), 0)
+
+
+def _value_view(g: GraphBuild, kv: Tensor) -> Tensor:
+    """The value is the latent part of each cache row: a view, no copy."""
+    return ggml.ggml_view_2d(g.ctx, kv, g.cfg.kv_lora_rank, g.n_kv, kv.contents.nb[1], 0)
+
+
+def attend_exact(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(scale * q.k + mask) v in F32; q [D, T, H], kv [D, n_kv] F32 -> [kv_lora, T, H]."""
+    ctx = g.ctx
+    kq = ggml.ggml_mul_mat(ctx, kv, q)  # [n_kv, T, H]; kv broadcast over the heads
+    p = ggml.ggml_soft_max_ext(ctx, kq, mask, scale, 0.0)
+    v_t = ggml.ggml_cont(ctx, ggml.ggml_transpose(ctx, _value_view(g, kv)))  # [n_kv, kv_lora]
+    return ggml.ggml_mul_mat(ctx, v_t, p)
+
+
+def attend_flash(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """llama.cpp's kernel: flash_attn_ext over the F16 cache (K, and V as its view) with an F16
+    mask -> [kv_lora, T, H]."""
+    ctx = g.ctx
+    o = ggml.ggml_flash_attn_ext(ctx, q, kv, _value_view(g, kv), ggml.ggml_cast(ctx, mask, _F16), scale, 0.0, 0.0)
+    return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
+
+
+def _gathered_rows(g: GraphBuild, kv: Tensor, sel: Tensor) -> Tensor:
+    """The cache rows sel [k, T] names, per query: [D, k, T] F32 (get_rows dequantizes F16)."""
+    k, T = sel.contents.ne[0], sel.contents.ne[1]
+    rows = ggml.ggml_get_rows(g.ctx, kv, ggml.ggml_reshape_1d(g.ctx, sel, k * T))
+    return ggml.ggml_reshape_3d(g.ctx, rows, kv.contents.ne[0], k, T)
+
+
+def _attend_gathered_exact(g: GraphBuild, q: Tensor, rows: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q [D, H, T], rows [D, k, T] F32, mask [k, 1, T] (0 / -inf) -> [kv_lora, H, T].
+
+    The mask is added before the scale: its values are 0 and -inf, which the scale keeps, so
+    the softmax sees scale * q.k + mask as soft_max_ext does on the masked path."""
+    ctx = g.ctx
+    kq = ggml.ggml_add(ctx, ggml.ggml_mul_mat(ctx, rows, q), mask)  # [k, H, T]
+    p = ggml.ggml_soft_max_ext(ctx, kq, None, scale, 0.0)
+    r = rows.contents
+    v = ggml.ggml_view_3d(ctx, rows, g.cfg.kv_lora_rank, r.ne[1], r.ne[2], r.nb[1], r.nb[2], 0)
+    v_t = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, v, 1, 0, 2, 3))  # [k, kv_lora, T]
+    return ggml.ggml_mul_mat(ctx, v_t, p)
+
+
+def _attend_gathered_flash(g: GraphBuild, q: Tensor, rows: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """flash_attn_ext with one query per batch entry and its own k keys: the gathered rows go
+    back to F16 (the cache's own values) so the kernel rounds as on the masked path."""
+    ctx = g.ctx
+    D, H, T = q.contents.ne[0], q.contents.ne[1], q.contents.ne[2]
+    k = rows.contents.ne[1]
+    kv = ggml.ggml_reshape_4d(ctx, ggml.ggml_cast(ctx, rows, _F16), D, k, 1, T)
+    v = ggml.ggml_view_4d(ctx, kv, g.cfg.kv_lora_rank, k, 1, T, kv.contents.nb[1], kv.contents.nb[2],
+                          kv.contents.nb[3], 0)
+    o = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_reshape_4d(ctx, q, D, 1, H, T), kv, v,
+                                 ggml.ggml_cast(ctx, ggml.ggml_reshape_4d(ctx, mask, k, 1, 1, T), _F16),
+                                 scale, 0.0, 0.0)  # [kv_lora, H, 1, T]
+    return ggml.ggml_reshape_3d(ctx, o, g.cfg.kv_lora_rank, H, T)
+
+
+def attend_gathered(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, k: int, scale: float) -> Tensor:
+    """Attention of each query over only its k selected cache rows -> [kv_lora, T, H].
+
+    The selection is read back from the DSA mask (0 on the selected visible keys, -inf
+    elsewhere) with ggml_top_k; a query that sees fewer than k keys also gets invisible cells,
+    whose gathered mask value (-inf) removes them again. The gathered rows take T * k * D * 4
+    bytes, so the queries go through in groups of at most GATHER_CHUNK_BYTES of rows (ggml-alloc
+    reuses the memory from group to group)."""
+    ctx, T, D = g.ctx, g.n_tokens, kv.contents.ne[0]
+    sel = ggml.ggml_cont(ctx, ggml.ggml_top_k(ctx, mask, k))  # [k, T]
+    sel_mask = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, mask, 1, g.n_kv, T), sel)  # [1, k, T]
+    q = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3))  # [D, T, H] -> [D, H, T]
+    attend = _attend_gathered_exact if g.exact else _attend_gathered_flash
+    step = max(1, GATHER_CHUNK_BYTES // (k * D * 4))
+    out = None
+    for t0 in range(0, T, step):
+        n = min(step, T - t0)
+        rows = _gathered_rows(g, kv, _cols(g, sel, t0, n, 2))
+        part = attend(g, _cols(g, q, t0, n, 3), rows, ggml.ggml_reshape_3d(ctx, _cols(g, sel_mask, t0, n, 3), k, 1, n),
+                      scale)
+        out = part if out is None else ggml.ggml_concat(ctx, out, part, 2)
+    return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, out, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
+
+
+def _cols(g: GraphBuild, t: Tensor, t0: int, n: int, n_dims: int) -> Tensor:
+    """Tokens t0 .. t0+n-1 (the last dimension) of a [a, T] (n_dims 2) or [a, b, T] tensor: a view."""
+    c = t.contents
+    if n_dims == 3:
+        return ggml.ggml_view_3d(g.ctx, t, c.ne[0], c.ne[1], n, c.nb[1], c.nb[2], t0 * c.nb[2])
+    return ggml.ggml_view_2d(g.ctx, t, c.ne[0], n, c.nb[1], t0 * c.nb[1])
+
+
+def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
+    """Gated NoPE MLA of layer `w.layer` (DSA-masked when `g.dsa_top_k` says so): [n_embd, T]."""
+    c = g.cfg
+    ctx, T = g.ctx, g.n_tokens
+    cq = q_lora_latent(g, w, x)
+    q = absorbed_query(g, w, cq)
+    kv = g.store(g.cache.mla_latent(w.layer), latent_row(g, w, x))  # [kv_lora + rope, n_kv]
+    top_k = g.dsa_top_k(w.layer)
+    mask = g.kq_mask if top_k is None else dsa.build_dsa_mask(g, w, x, cq, top_k)
+    scale = c.qk_head_dim ** -0.5  # the full nope + rope head dim, not the absorbed length
+    if top_k is not None and g.dsa_path == "gather" and top_k < g.n_kv:
+        o_lat = attend_gathered(g, q, kv, mask, top_k, scale)
+    else:  # dense, masked DSA, or a selection that is the whole visible context anyway
+        o_lat = (attend_exact if g.exact else attend_flash)(g, q, kv, mask, scale)  # [kv_lora, T, H]
+    o = g.mm(w(ATTN_V_B), o_lat)  # [v_dim, T, H]
+    o = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [v_dim, H, T]
+    o = ggml.ggml_reshape_2d(ctx, o, c.v_head_dim * c.num_heads, T)
+    o = ggml.ggml_mul(ctx, o, ggml.ggml_sigmoid(ctx, g.mm(w(ATTN_GATE), x)))
+    return g.mm(w(ATTN_OUTPUT), o)

@@ -1,0 +1,87 @@
+"""LatentMoE (k3-spec D.6): a sigmoid router on the full width, routed SiTU experts in the latent
+space (MXFP4, or dequantized to F32 on the exact path), and the shared experts on the full width.
+
+Layout (ggml `ne` order, one sequence): x [n_embd, T]; latent z [L, T]; per selected expert
+[L, k, T]; expert ids I32 [k, T].
+"""
+from __future__ import annotations
+
+import ggml
+import numpy as np
+
+from gguf_arch.arch.tensors import (EXP_PROBS_B, FFN_DOWN_EXPS, FFN_DOWN_SHEXP, FFN_GATE_EXPS, FFN_GATE_INP,
+                                    FFN_GATE_SHEXP, FFN_ROUTED_DOWN, FFN_ROUTED_NORM, FFN_ROUTED_UP,
+                                    FFN_UP_EXPS, FFN_UP_SHEXP)
+
+from ..graph import I32, GraphBuild, Tensor
+from ..loader import LayerWeights
+from .ffn import situ, situ_mlp
+
+
+def _route(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Sigmoid router on the full width; the bias picks the experts, the unbiased scores weigh them.
+
+    Returns (ids I32 [k, T], weights [1, k, T]).
+    """
+    c, cfg, T = g.ctx, g.cfg, g.n_tokens
+    E, k = cfg.num_experts, cfg.num_experts_used
+    probs = ggml.ggml_sigmoid(c, g.mm(w(FFN_GATE_INP), x))  # [E, T]
+    ids = ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w(EXP_PROBS_B)), k))
+    weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, E, T), ids)  # [1, k, T]
+    if cfg.moe_renormalize:
+        total = ggml.ggml_sum_rows(c, ggml.ggml_reshape_2d(c, weights, k, T))  # [1, T]
+        weights = ggml.ggml_div(c, weights, ggml.ggml_reshape_3d(c, total, 1, 1, T))
+    if g.wants("moe"):
+        g.record("moe_experts", w.layer, ids)
+        g.record("moe_weights", w.layer, weights)
+    return ids, ggml.ggml_scale(c, weights, cfg.routed_scaling_factor)
+
+
+def _dequantized_experts(g: GraphBuild, experts: Tensor, ids: Tensor) -> Tensor:
+    """The experts `ids` selects, dequantized to F32: [in, out, k*T], slot t*k + j.
+
+    One row of the [in*out, n_expert] view is one whole expert (in is a multiple of the MXFP4
+    block), so get_rows hands back exactly the selected experts as F32.
+    """
+    c = g.ctx
+    n_in, n_out, n_expert = experts.contents.ne[0], experts.contents.ne[1], experts.contents.ne[2]
+    n_slots = g.cfg.num_experts_used * g.n_tokens
+    flat = ggml.ggml_reshape_2d(c, experts, n_in * n_out, n_expert)
+    picked = ggml.ggml_get_rows(c, flat, ggml.ggml_reshape_1d(c, ids, n_slots))
+    return ggml.ggml_reshape_3d(c, picked, n_in, n_out, n_slots)
+
+
+def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> Tensor:
+    """SiTU experts in the latent space: z [L, T] -> per selected expert [L, k, T].
+
+    Fast path: ggml_mul_mat_id on the MXFP4 tensors (ggml quantizes the activations to 8 bits
+    first: ~1% per layer, findings.md). Exact path: the same mul_mat_id over the selected
+    experts dequantized to F32, so the activations stay F32.
+    """
+    c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
+    names = (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)
+    if g.exact:
+        gate_b, up_b, down_b = (_dequantized_experts(g, w(n), ids) for n in names)
+        ids = g.input("expert_slots", I32, (k, T), np.arange(k * T, dtype=np.int32).reshape(T, k))
+    else:
+        gate_b, up_b, down_b = (w(n) for n in names)
+    z3 = ggml.ggml_reshape_3d(c, z, z.contents.ne[0], 1, T)
+    gate = ggml.ggml_mul_mat_id(c, gate_b, z3, ids)  # [I, k, T]
+    up = ggml.ggml_mul_mat_id(c, up_b, z3, ids)
+    return ggml.ggml_mul_mat_id(c, down_b, situ(g, gate, up), ids)  # [L, k, T]
+
+
+def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
+    """LatentMoE on the normed input x [n_embd, T] (D.6)."""
+    c, cfg, T = g.ctx, g.cfg, g.n_tokens
+    ids, weights = _route(g, w, x)
+    z = g.mm(w(FFN_ROUTED_DOWN), x)  # [L, T]
+    per_expert = ggml.ggml_mul(c, _routed_experts(g, w, z, ids), weights)  # [L, k, T]
+    L, nb1, nb2 = cfg.latent_size, per_expert.contents.nb[1], per_expert.contents.nb[2]
+    u = None
+    for j in range(cfg.num_experts_used):
+        term = ggml.ggml_view_2d(c, per_expert, L, T, nb2, j * nb1)
+        u = term if u is None else ggml.ggml_add(c, u, term)
+    routed = g.mm(w(FFN_ROUTED_UP), g.rms_norm(u, w(FFN_ROUTED_NORM), cfg.rms_norm_eps))
+    shared = situ_mlp(g, x, w(FFN_GATE_SHEXP), w(FFN_UP_SHEXP), w(FFN_DOWN_SHEXP))
+    return ggml.ggml_add(c, routed, shared)

@@ -1,0 +1,137 @@
+"""The K3 transforms (k3-spec E.3, contract section 5): source tensors -> the bytes of one GGUF tensor.
+
+Each transform reads its sources through `read(name) -> (safetensors dtype, raw numpy view)` and
+yields the output tensor's bytes in order as bounded chunks. A same-precision copy yields slices of
+the memory-mapped source itself, so a 12288 x 7168 bf16 projection is streamed, never copied; only
+the small per-layer tensors that need arithmetic (A_log, AttnRes scores, kv_b halves, f32 casts)
+and one expert matrix at a time are materialised.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ..errors import CheckpointError
+from .mxfp4 import repack_to_ggml
+from ..io.pipeline import ahead
+from ..io.safetensors import to_f32
+from .tensors import PlannedTensor
+
+Read = Callable[[str], tuple[str, np.ndarray]]
+Chunks = Iterator[memoryview]  # flat uint8 views
+
+CHUNK_BYTES = 64 * 1024 * 1024
+# Experts repacked ahead of the writer: a real expert matrix is 5.8 MB, so a few dozen MB at most.
+REPACK_AHEAD = min(8, os.cpu_count() or 1)
+
+# Source dtype -> the GGML type that holds its bytes unchanged.
+SAME_BYTES: dict[str, Q] = {"BF16": Q.BF16, "F16": Q.F16, "F32": Q.F32}
+
+
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    """The array's bytes as flat uint8 (a view when it is already contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _byte_chunks(a: np.ndarray) -> Chunks:
+    flat = _flat_bytes(a)
+    for start in range(0, flat.size, CHUNK_BYTES):
+        yield memoryview(flat[start:start + CHUNK_BYTES])
+
+
+def _cast_chunks(dtype: str, a: np.ndarray, out: Q) -> Chunks:
+    """The array's bytes at the output type: passthrough when it already is that type."""
+    if SAME_BYTES.get(dtype) == out:
+        yield from _byte_chunks(a)
+        return
+    if out != Q.F32:
+        raise ValueError(f"no conversion from {dtype} to {out.name}")
+    flat = a.reshape(-1)
+    step = CHUNK_BYTES // 4
+    for start in range(0, flat.size, step):
+        yield memoryview(_flat_bytes(to_f32(dtype, flat[start:start + step])))
+
+
+def _only(pt: PlannedTensor) -> str:
+    return pt.sources[0][0]
+
+
+def copy(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+    """Same values; a reshape (conv1d [P,1,K] -> (1,P,1,K)) keeps the row-major bytes too."""
+    dtype, a = read(_only(pt))
+    return _cast_chunks(dtype, a, out)
+
+
+def neg_exp_heads(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+    """ssm_a = -exp(A_log[:num_heads]) in f32; the rest of A_log must be the zero padding."""
+    name = _only(pt)
+    dtype, a = read(name)
+    values = to_f32(dtype, a)
+    heads = pt.shape[0]
+    bad = np.flatnonzero(values[heads:]) + heads
+    if bad.size:
+        raise CheckpointError(f"{name}: entries {heads}..{values.size - 1} must be zero padding (only the first "
+                              f"{heads} are per-head log-scales), found non-zero values at {bad[:8].tolist()}")
+    # exp in float64 rounded once: the correctly rounded f32 value (numpy's f32 exp is off by one
+    # ulp on about a third of inputs), and bit-equal to llama.cpp's converter on the fixtures.
+    ssm_a = (-np.exp(values[:heads].astype(np.float64))).astype(np.float32)
+    return _cast_chunks("F32", ssm_a, out)
+
+
+def res_score(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+    """AttnRes: RMSNorm gain x pseudo-query, one f32 score vector."""
+    (norm_dt, norm), (proj_dt, proj) = (read(name) for name, _ in pt.sources)
+    return _cast_chunks("F32", to_f32(norm_dt, norm) * to_f32(proj_dt, proj).reshape(-1), out)
+
+
+def kv_b_k(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+    """k_b = kv_b viewed [NH, nope+v, kv_lora], rows [:nope], transposed to (NH, kv_lora, nope)."""
+    heads, lora, nope = pt.shape
+    dtype, a = read(_only(pt))
+    per_head = a.reshape(heads, -1, lora)
+    return _cast_chunks(dtype, per_head[:, :nope, :].transpose(0, 2, 1), out)
+
+
+def kv_b_v(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+    """v_b = kv_b viewed [NH, nope+v, kv_lora], rows [nope:] -> (NH, v, kv_lora)."""
+    heads, v, lora = pt.shape
+    dtype, a = read(_only(pt))
+    per_head = a.reshape(heads, -1, lora)
+    return _cast_chunks(dtype, per_head[:, per_head.shape[1] - v:, :], out)
+
+
+def _repack(pair: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    return _flat_bytes(repack_to_ggml(*pair))
+
+
+def mxfp4_experts(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+    """[n_expert, rows, cols] block_mxfp4, yielded one expert at a time (bounded memory).
+
+    The nibble work of the next few experts runs on worker threads (numpy releases the GIL), so a
+    many-core machine repacks in parallel; only views are taken on the caller's thread.
+    """
+    if out != Q.MXFP4:
+        raise ValueError(f"{pt.name}: routed experts are written as MXFP4, not {out.name}")
+    names = [name for name, _ in pt.sources]
+    pairs = ((read(p)[1], read(s)[1]) for p, s in zip(names[0::2], names[1::2]))
+    for block in ahead(_repack, pairs, REPACK_AHEAD):
+        yield memoryview(block)
+
+
+TRANSFORMS: dict[str, Callable[[PlannedTensor, Q, Read], Chunks]] = {
+    "copy": copy,
+    "reshape": copy,
+    "neg_exp_heads": neg_exp_heads,
+    "res_score": res_score,
+    "kv_b_k": kv_b_k,
+    "kv_b_v": kv_b_v,
+    "mxfp4_experts": mxfp4_experts,
+}
+
+
+def tensor_chunks(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+    """The bytes of GGUF tensor `pt` at type `out`, in file order."""
+    return TRANSFORMS[pt.transform](pt, out, read)

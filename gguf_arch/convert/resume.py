@@ -1,0 +1,81 @@
+"""Which output files a conversion still has to write: leftovers refused, or with --resume verified.
+
+Each output file (the GGUF, or each split part) is renamed into place only when complete, and its
+`<file>.sha256.json` manifest (gguf_arch.io.manifest) is written after it. So after a Ctrl-C, kill
+or power loss a file at its final name is a finished one, unless the run died between the two
+renames (no manifest) or the file was damaged since. `--resume` therefore trusts nothing: a file
+is kept only when its manifest describes exactly the planned file (size, header digest, every
+tensor's name, type and size) and the file's header and every tensor hash to the stored digests.
+Anything else, and every `.partial`, is rewritten from the checkpoint; a kept file is never
+written again, so nothing is duplicated.
+
+The check covers what is written, not where it came from: resuming against a different
+checkpoint with the same config, tokenizer and tensor names would keep the earlier parts.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import OutputError
+from ..io.manifest import IntegrityError, check_hashes, manifest_path, read_manifest
+from ..io.gguf_writer import GGUFLayout, check_output, file_size, header_bytes, partial_path, refuse_partial
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    path: Path
+    layout: GGUFLayout
+    size: int  # exact bytes once written
+
+    @classmethod
+    def planned(cls, path: Path, layout: GGUFLayout) -> "OutputFile":
+        return cls(path, layout, file_size(layout))
+
+
+def refuse_leftovers(files: list[OutputFile], overwrite: bool) -> None:
+    """Without --resume: a file of this output already there is an error, unless --overwrite."""
+    for f in files:
+        check_output(f.path, overwrite)
+        if not overwrite:
+            refuse_partial(partial_path(f.path))
+
+
+def _mismatch(f: OutputFile) -> str | None:
+    """Why the file at f.path is not the finished planned file, or None when it is."""
+    try:
+        manifest = read_manifest(f.path)
+    except IntegrityError as exc:
+        return str(exc)
+    planned = [(t.name, t.ggml_type.name, t.nbytes) for t in f.layout.tensors]
+    if manifest.gguf_size != f.size:
+        return f"its manifest records {manifest.gguf_size} bytes, the plan needs {f.size}"
+    if manifest.header_sha256 != hashlib.sha256(header_bytes(f.layout)).hexdigest():
+        return "its header (metadata or tensor list) differs from this conversion's"
+    if [(d.name, d.ggml_type, d.nbytes) for d in manifest.tensors] != planned:
+        return "its manifest lists other tensors than this conversion plans for it"
+    try:
+        check_hashes(f.path, manifest)
+    except IntegrityError as exc:
+        return str(exc)
+    return None
+
+
+def files_to_write(files: list[OutputFile], log: Callable[[str], None]) -> list[OutputFile]:
+    """--resume: the files not verified as finished; each finished one is re-hashed, not trusted."""
+    todo = []
+    for f in files:
+        if f.path.is_symlink():
+            raise OutputError(f"{f.path}: is a symbolic link; --resume writes only files it made itself")
+        if not f.path.exists():
+            todo.append(f)
+            continue
+        why = _mismatch(f)
+        if why is None:
+            log(f"{f.path}: finished earlier, verified against {manifest_path(f.path).name}; kept")
+        else:
+            log(f"{f.path}: not a verified finished file ({why}); rewriting it")
+            todo.append(f)
+    return todo

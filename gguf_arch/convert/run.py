@@ -1,0 +1,120 @@
+"""Run a conversion: plan it (`plan.py`), lay out the files, then stream every tensor once.
+
+Each output file is written whole (`.partial`, fsync, rename) and then its per-tensor SHA-256
+manifest; with --resume, files an interrupted run finished and verified are kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from ..arch.config import load_config
+from ..arch.keys import ARCH
+from ..arch.transforms import tensor_chunks
+from ..errors import KimiError
+from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, check_output, write_gguf
+from ..io.manifest import TensorHasher, write_manifest
+from ..io.safetensors import Checkpoint, open_checkpoint
+from ..io.split import SplitLimits, split_layout
+from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
+from .preflight import check_free_space
+from .progress import Progress
+from .resume import OutputFile, files_to_write, refuse_leftovers
+from quant_rules.apply import final_chunks, final_outputs
+from quant_rules.rules import QuantOptions, Resolution
+
+
+def _releasing(chunks: Iterable, ckpt: Checkpoint) -> Iterator:
+    """Pass chunks through; once the writer has taken one, drop the source pages read so far (bounded
+    RSS). The writer thread may still be copying that chunk: its pages then fault back in from the
+    page cache, the same bytes."""
+    for chunk in chunks:
+        yield chunk
+        ckpt.release_pages()
+
+
+def check_outside_model(model_dir: Path, out: Path) -> None:
+    """The output may not land in the model directory: --overwrite there could replace a shard
+    being read, and a stray GGUF among the shards is taken for part of the checkpoint."""
+    where = out.parent.resolve()
+    if where == model_dir.resolve() or model_dir.resolve() in where.parents:
+        raise KimiError(f"{out}: is inside the model directory {model_dir}; write the GGUF elsewhere")
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the output is written: split limits, resume, progress reporting."""
+
+    split: SplitLimits = SplitLimits()
+    resume: bool = False  # keep verified finished files of an interrupted run, rewrite the rest
+    progress_bar: bool = False  # a tqdm bar per file on stderr
+    log_json: Path | None = None  # one JSON progress line per tensor
+
+
+def conversion_layout(plan: ConversionPlan, kv: tuple[KV, ...], quant: QuantOptions,
+                      log: Callable[[str], None]) -> tuple[GGUFLayout, Resolution]:
+    """The whole output (before any split) with the final tensor types quant_rules picks."""
+    # plan.outputs carry the contract types; quant_rules picks the final ones (and re-encodes).
+    types = resolve_plan(plan.outputs, quant)
+    for line in types.log:
+        log(line)
+    return GGUFLayout(ARCH, kv, final_outputs(types)), types
+
+
+def output_files(out: Path, layout: GGUFLayout, split: SplitLimits) -> list[OutputFile]:
+    return [OutputFile.planned(path, part) for path, part in split_layout(out, layout, split)]
+
+
+def _files_to_write(files: list[OutputFile], overwrite: bool, resume: bool, log) -> list[OutputFile]:
+    if resume:
+        return files_to_write(files, log)
+    refuse_leftovers(files, overwrite)
+    return files
+
+
+def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log) -> None:
+    """Each file streamed, renamed into place, then its manifest; one file at a time."""
+    for f in files:
+        hasher = TensorHasher()
+        chunks_for, close_bar = progress.track(f.path, f.layout, hasher.wrap(source_chunks))
+        try:
+            write_gguf(f.path, f.layout, chunks_for, replace)
+        finally:
+            close_bar()
+        write_manifest(f.path, hasher.digests)
+        log(f"wrote {f.path}")
+
+
+def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
+            quant: QuantOptions = QuantOptions(), output: OutputOptions = OutputOptions(),
+            log: Callable[[str], None] = print) -> Ledger:
+    """Convert a checkpoint directory to one GGUF file (or split parts); returns the ledger counts."""
+    model_dir, out = Path(model_dir), Path(out)
+    check_outside_model(model_dir, out)
+    if not output.resume and output.split == SplitLimits():
+        check_output(out, overwrite)  # before the work of planning; split part names need the plan
+    cfg = load_config(model_dir)
+    with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
+        plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
+        kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
+        log(plan.ledger.summary())
+        if cfg.indexer is not None and not dsa:
+            log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
+        layout, types = conversion_layout(plan, kv, quant, log)
+        files = output_files(out, layout, output.split)
+        todo = _files_to_write(files, overwrite, output.resume, log)
+        check_free_space(out.parent, sum(f.size for f in todo))
+        by_name = {p.output.name: p.tensor for p in plan.outputs}
+        decided = {d.name: d for d in types.decisions}
+
+        def source_chunks(t: OutputTensor) -> Iterator:
+            d = decided[t.name]
+            return _releasing(final_chunks(d, tensor_chunks(by_name[t.name], d.contract_type, ckpt.read), log), ckpt)
+        progress = Progress(sum(t.nbytes for f in todo for t in f.layout.tensors), bar=output.progress_bar,
+                            log_json=output.log_json)
+        try:
+            _write_files(todo, source_chunks, progress, overwrite or output.resume, log)
+        finally:
+            progress.close()
+    return plan.ledger

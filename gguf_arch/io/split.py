@@ -1,0 +1,107 @@
+"""Split output: one GGUF layout -> the parts `OUT-00001-of-0000N.gguf` llama.cpp loads and merges.
+
+The rules are llama.cpp's (tools/gguf-split, src/llama-model-loader.cpp, gguf-py's GGUFWriter):
+- the first part carries every key; each later part carries only the split keys;
+- every part ends its keys with split.no (uint16, 0-based), split.count (uint16) and
+  split.tensors.count (int32, the tensors of all parts together);
+- tensors keep their order; a new part starts when the current one holds --split-max-tensors
+  tensors, or when the next tensor's aligned bytes would take it over --split-max-size (a part
+  always takes at least one tensor, so a tensor larger than the limit gets a part of its own);
+- when the limits give a single part, the output is one plain file at OUT without split keys,
+  as gguf-py writes it.
+`llama-gguf-split --merge` copies the first part's keys (with split.count set to 0) and appends
+every part's tensors; the model loader opens the parts from the first one's name.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGUFReader
+from gguf import GGUFValueType as T
+from gguf.constants import Keys
+
+from ..errors import GGUFError, KimiError
+from .gguf_writer import GGUFLayout, OutputTensor, padded
+
+# gguf-py's SHARD_NAME_FORMAT and llama.cpp's llama_split_path.
+PART_NAME = "{stem}-{no:05d}-of-{count:05d}.gguf"
+_PART = re.compile(r"(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+SPLIT_KEYS = (Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+# llama.cpp's split_str_to_n_bytes: decimal units, as in --split-max-size 50G.
+_UNITS = {"": 1, "K": 1000, "M": 1000 ** 2, "G": 1000 ** 3}
+# split.no and split.count are uint16.
+MAX_PARTS = 0xFFFF
+
+
+@dataclass(frozen=True)
+class SplitLimits:
+    max_bytes: int = 0  # 0: no size limit
+    max_tensors: int = 0  # 0: no tensor-count limit
+
+
+def parse_size(text: str) -> int:
+    """`--split-max-size` value: a positive integer, optionally followed by K, M or G (powers of 1000)."""
+    m = re.fullmatch(r"([0-9]+)([KMG]?)", text.strip())
+    if not m or int(m.group(1)) == 0:
+        raise KimiError(f"--split-max-size {text!r}: expected a positive number of bytes, optionally followed by "
+                        "K, M or G (powers of 1000, as llama.cpp reads it), e.g. 50G")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def part_path(out: Path, no: int, count: int) -> Path:
+    """The file name of part `no` (1-based) of `count`, next to `out`."""
+    return out.with_name(PART_NAME.format(stem=out.stem, no=no, count=count))
+
+
+def part_paths(first: Path, reader: GGUFReader) -> list[Path]:
+    """The files of a GGUF given its first file: every part of a split (by PART_NAME), or [first].
+
+    split.count absent, 1, or 0 (as `llama-gguf-split --merge` leaves it) is a single file, as for
+    llama.cpp's loader; any other count needs `first` to be named as part 1 of that many.
+    """
+    field = reader.fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+    count = field.contents() if field is not None else 1
+    if count in (0, 1):
+        return [first]
+    m = _PART.fullmatch(first.name)
+    if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
+        raise GGUFError(f"{first}: part of a {count}-part split ({Keys.Split.LLM_KV_SPLIT_COUNT} {count}); give the "
+                        f"first part, '<name>-00001-of-{count:05d}.gguf'")
+    out = first.with_name(m["stem"] + ".gguf")
+    return [part_path(out, no, count) for no in range(1, count + 1)]
+
+
+def _groups(tensors: tuple[OutputTensor, ...], limits: SplitLimits) -> list[list[OutputTensor]]:
+    groups: list[list[OutputTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        cur = groups[-1]
+        full = (limits.max_tensors and len(cur) >= limits.max_tensors) or \
+               (limits.max_bytes and size + padded(t.nbytes) > limits.max_bytes)
+        if cur and full:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += padded(t.nbytes)
+    return groups
+
+
+def _split_kv(no: int, count: int, n_tensors: int) -> tuple:
+    values = ((no, T.UINT16), (count, T.UINT16), (n_tensors, T.INT32))
+    return tuple((key, v, vtype, None) for key, (v, vtype) in zip(SPLIT_KEYS, values))
+
+
+def split_layout(out: Path, layout: GGUFLayout, limits: SplitLimits) -> list[tuple[Path, GGUFLayout]]:
+    """(path, layout) of every output file, in order; [(out, layout)] when nothing needs splitting."""
+    groups = _groups(layout.tensors, limits)
+    if len(groups) == 1:
+        return [(out, layout)]
+    if len(groups) > MAX_PARTS:
+        raise KimiError(f"the split limits give {len(groups)} files; split.count holds at most {MAX_PARTS}: "
+                        "raise --split-max-size or --split-max-tensors")
+    n, total = len(groups), len(layout.tensors)
+    first = GGUFLayout(layout.arch, (*layout.kv, *_split_kv(0, n, total)), tuple(groups[0]))
+    rest = [GGUFLayout(None, _split_kv(i, n, total), tuple(g)) for i, g in enumerate(groups[1:], 1)]
+    return [(part_path(out, i + 1, n), part) for i, part in enumerate([first, *rest])]

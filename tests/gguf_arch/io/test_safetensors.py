@@ -1,0 +1,86 @@
+"""Header-first checkpoint reading, cross-checked against the safetensors package itself."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from gguf_arch.errors import CheckpointError
+from gguf_arch.io.safetensors import open_checkpoint, read_shard_header
+
+from tests.support.checkpoint_edit import EditableCheckpoint, write_shard
+
+TORCH_RAW = {torch.bfloat16: torch.int16, torch.float32: torch.float32, torch.uint8: torch.uint8}
+
+
+def test_every_tensor_agrees_with_safe_open(k31pro_tiny_dir):
+    with open_checkpoint(k31pro_tiny_dir) as ckpt:
+        assert len(ckpt.entries) == 950
+        shards = {e.shard for e in ckpt.entries.values()}
+        for shard in shards:
+            with safe_open(k31pro_tiny_dir / shard, framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    ours = ckpt.array(name)
+                    assert ours.shape == tuple(t.shape), name
+                    assert ours.tobytes() == t.view(TORCH_RAW[t.dtype]).numpy().tobytes(), name
+
+
+def test_arrays_are_read_only_views_of_the_shard_map(k3_tiny_dir):
+    with open_checkpoint(k3_tiny_dir) as ckpt:
+        a = ckpt.array("language_model.model.embed_tokens.weight")
+        owner = a
+        while isinstance(owner, (np.ndarray, memoryview)):
+            owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
+        assert isinstance(owner, mmap.mmap) and not a.flags.writeable
+        assert a.dtype == np.uint16 and a.shape == (912, 64)
+
+
+def test_tensor_in_a_shard_but_not_in_the_index(tmp_path, k3_tiny_dir):
+    ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
+    shard = ck.dir / "model-00002-of-000016.safetensors"
+    ck.edit_shard(shard, lambda t: t.__setitem__("language_model.extra", ("F32", [2], bytes(8))))
+    with pytest.raises(CheckpointError, match=r"holds tensor language_model\.extra but .* does not list it"):
+        open_checkpoint(ck.dir)
+
+
+def test_tensor_in_the_index_but_not_in_its_shard(tmp_path, k3_tiny_dir):
+    ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
+    ck.edit_weight_map(lambda wmap: wmap.update({"language_model.ghost": "model-00002-of-000016.safetensors"}))
+    with pytest.raises(CheckpointError, match=r"language_model\.ghost is mapped to .* header does not contain it"):
+        open_checkpoint(ck.dir)
+
+
+def test_tensor_mapped_to_the_wrong_shard(tmp_path, k3_tiny_dir):
+    ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
+    ck.edit_weight_map(lambda wmap: wmap.update({"language_model.model.norm.weight": "model-00001-of-000016.safetensors"}))
+    with pytest.raises(CheckpointError, match="model.norm.weight but .* maps it to model-00001"):
+        open_checkpoint(ck.dir)
+
+
+def test_byte_length_must_match_dtype_and_shape(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write_shard(path, {"t": ("BF16", [3, 4], bytes(24))})
+    assert read_shard_header(path)["t"].nbytes == 24
+    write_shard(path, {"t": ("BF16", [3, 5], bytes(24))})
+    with pytest.raises(CheckpointError, match=r"tensor t: BF16 \[3, 5\] needs 30 bytes but data_offsets \[0, 24\] span 24"):
+        read_shard_header(path)
+
+
+def test_shorter_than_the_length_field(tmp_path):
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_shard_header(path)
+
+
+def test_missing_index_and_missing_shard(tmp_path, k3_tiny_dir):
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not found"):
+        open_checkpoint(tmp_path)
+    ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
+    (ck.dir / "model-00003-of-000016.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00003-of-000016.safetensors: shard listed in .* not found"):
+        open_checkpoint(ck.dir)

@@ -1,0 +1,126 @@
+"""The layout is the architecture: the import rules of gguf_arch/__init__.py and README's "Layout",
+checked on the source itself (tests/support/source.py reads it with `ast`, TYPE_CHECKING imports
+included).
+
+* no import cycle between the project's modules;
+* gguf_arch's layers: errors < io < arch < convert | verify | synth, each importing only the
+  layers below it (and itself); the three top layers never import one another, so a conversion
+  never loads the verifier;
+* quant_rules sits between arch and convert: it never imports the converter (nor verify, synth),
+  and nothing below convert imports quant_rules;
+* gguf_arch holds at most 8 modules at its top level; no function is longer than 50 lines;
+* GGUF tensor names are spelled in at most three package modules (the tensor table's module
+  first among them).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+
+from tests.support.source import (find_cycle, import_graph, package_modules, project_modules,
+                                  string_literals)
+
+# gguf_arch's layers, lowest first; a module belongs to the longest prefix that names it.
+GGUF_LAYERS = {"gguf_arch.errors": 0, "gguf_arch.io": 1, "gguf_arch.arch": 2,
+               "gguf_arch.convert": 3, "gguf_arch.verify": 3, "gguf_arch.synth": 3}
+TOP_LAYER = 3
+MAX_TOP_LEVEL_MODULES = 8
+MAX_FUNCTION_LINES = 50
+MAX_MODULES_WITH_TENSOR_NAMES = 3
+
+
+def _layer_of(name: str) -> str | None:
+    hits = [p for p in GGUF_LAYERS if name == p or name.startswith(p + ".")]
+    return max(hits, key=len) if hits else None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_gguf_arch_layers_import_only_downwards():
+    bad = []
+    for name, targets in import_graph().items():
+        if not name.startswith("gguf_arch"):
+            continue
+        mine = _layer_of(name)
+        for t in sorted(targets):
+            if name == "gguf_arch":
+                bad.append(f"{name} -> {t} (the package's __init__ states the layers, imports nothing)")
+                continue
+            if mine is None:
+                bad.append(f"{name} is in no layer of gguf_arch ({', '.join(GGUF_LAYERS)})")
+                break
+            theirs = _layer_of(t)
+            if t.startswith("gguf_arch") and theirs is None:
+                bad.append(f"{name} -> {t} (not in a layer)")
+            elif theirs is not None and theirs != mine and GGUF_LAYERS[theirs] >= GGUF_LAYERS[mine]:
+                bad.append(f"{name} -> {t} ({theirs} is not below {mine})")
+            elif t.startswith(("quant_rules", "ggml_graph_spec")) and GGUF_LAYERS[mine] < TOP_LAYER:
+                bad.append(f"{name} -> {t} (only convert, verify and synth may use quant_rules)")
+            elif t.startswith("ggml_graph_spec"):
+                bad.append(f"{name} -> {t} (gguf_arch never imports the runner)")
+    assert not bad, "\n".join(bad)
+
+
+def test_quant_rules_and_the_runner_never_import_the_converter():
+    upper = [p for p, rank in GGUF_LAYERS.items() if rank == TOP_LAYER]
+    bad = [f"{name} -> {t}" for name, targets in import_graph().items()
+           if name.startswith(("quant_rules", "ggml_graph_spec"))
+           for t in sorted(targets) if _layer_of(t) in upper]
+    assert not bad, "\n".join(bad)
+
+
+def test_gguf_arch_top_level_is_small():
+    top = [m.name for m in project_modules().values()
+           if m.name.startswith("gguf_arch.") and m.name.count(".") == 1 and not m.is_package]
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at gguf_arch's top level: {sorted(top)}"
+
+
+def test_no_function_is_longer_than_50_lines():
+    long = []
+    for m in package_modules():
+        for node in ast.walk(m.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{m.name}.{node.name}: {lines} lines")
+    assert not long, "\n".join(long)
+
+
+def _tensor_table():
+    """The tensor table's module, wherever the layout puts it."""
+    name = next(n for n in project_modules() if n.startswith("gguf_arch") and n.endswith(".tensors"))
+    return importlib.import_module(name)
+
+
+def _gguf_names() -> set[str]:
+    """Every GGUF tensor name of the table: the globals whole, the layer tensors after "blk.{l}."."""
+    names = set()
+    for spec in _tensor_table().TABLE:
+        names.add(spec.gguf.split("{l}.", 1)[-1])
+    return names
+
+
+def _spells_a_tensor_name(text: str, names: set[str]) -> bool:
+    if "blk." in text or "blk\\." in text:
+        return True
+    if "{}" in text and re.search("[a-z]{2}", text.replace("{}", " ")):  # an f-string: does it build one?
+        pattern = re.compile(".+".join(map(re.escape, text.split("{}"))))
+        return any(pattern.fullmatch(n) for n in names)
+    return text in names
+
+
+def test_tensor_names_are_spelled_in_at_most_three_modules():
+    names = _gguf_names()
+    spelling: dict[str, list[str]] = {}
+    for m in package_modules():
+        hits = [f"{line}: {text!r}" for line, text in string_literals(m.tree) if _spells_a_tensor_name(text, names)]
+        if hits:
+            spelling[m.name] = hits
+    table = _tensor_table().__name__
+    assert table in spelling, "the tensor table itself spells no name: the check is broken"
+    assert len(spelling) <= MAX_MODULES_WITH_TENSOR_NAMES, "\n".join(
+        f"{name}: {', '.join(hits[:4])}" for name, hits in sorted(spelling.items()))
