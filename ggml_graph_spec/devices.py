@@ -1,11 +1,12 @@
 """A model spread over ggml RPC servers and the local CPU: connect, place, upload, run.
 
     devices = Devices.connect(weights, ["10.0.0.2:50052", "10.0.0.3:50052"], n_threads=8)
-    devices.executor(n_nodes)     # a SchedExecutor over [servers..., CPU]
-    devices.layer_backends()      # layer -> backend, for the caches
+    exe = devices.executor(n_nodes)       # a SchedExecutor over [servers..., CPU]
+    devices.layer_backends(exe.backend)   # layer -> backend, for the caches
 
 The servers are checked with ggml's own handshake first (rpc.handshake), then given to ggml's
-RPC backend. Layers are placed by `placement.Placement` (free memory, or --tensor-split); each
+RPC backend. Layers are placed by `placement.Placement` (the memory each device reports, or
+--tensor-split); each
 server's layers get their weights in one buffer on that server, uploaded once here from the
 memory-mapped file in UPLOAD_CHUNK_BYTES pieces. A piece above ggml's 10 MiB hash threshold is
 offered by content hash first, so a server started with --cache that already holds it (a
@@ -93,7 +94,6 @@ class Devices:
         self._n_threads = n_threads
         self._mapped: dict[str, Any] = {}  # the file-mapped tensors the uploads replaced
         self._compute_types: list[SizedHere] = []  # the scheduler's buffer types: live as long as it
-        self.upload_bytes = 0
 
     @classmethod
     def connect(cls, weights: GGUFWeights, rpc: str | Sequence[str], *,
@@ -148,7 +148,6 @@ class Devices:
                 self._allocate_remote(r)
                 for name in r.names:
                     self._send(self._mapped[name], self.weights.tensors[name], bar)
-        self.upload_bytes = total
 
     def _allocate_remote(self, r: _Remote) -> None:
         """A context of copies of the server's tensors, allocated in one buffer there."""
@@ -189,7 +188,9 @@ class Devices:
         check_alive(self.connections, when)
 
     def alive(self) -> bool:
-        return all(c.alive() for c in self.connections)
+        """Every server that holds a buffer still connected (a failed load may leave servers
+        without one: nothing of theirs to free)."""
+        return all(r.connection.alive() for r in self._remotes.values() if r.buffer)
 
     def layer_backends(self, cpu_backend) -> dict[int, Any]:
         return {l: self._remotes[d].backend if d in self._remotes else cpu_backend

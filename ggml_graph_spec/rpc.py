@@ -17,6 +17,9 @@ ggml 0.15.3, ggml-rpc.cpp). This module keeps those aborts away from the user:
 * a server dying while ggml is inside a call cannot be recovered from (ggml aborts right after
   the callback returns): `guard` installs a ggml abort callback that names the lost endpoint on
   one line and ends the process with exit code 1.
+
+`SizedHere` spares the per-graph round trips ggml's client spends asking a CPU server what it
+already knows (allocation sizes).
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ started by the tests on free 127.0.0.1 ports and killed when the module ends.
 """
 from __future__ import annotations
 
+import select
 import socket
 import subprocess
 import sys
@@ -201,6 +202,12 @@ def _one_error_line(err: str, *needles: str) -> str:
     return errors[0]
 
 
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """One line of the child's stdout, or "" if none came within timeout seconds."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else ""
+
+
 def test_a_server_killed_between_calls_is_an_error_naming_it(k31pro_tiny_gguf):
     """The model raises RpcError at its next call; closing it afterwards does not abort."""
     with RpcServers(2) as two:
@@ -224,7 +231,7 @@ sys.exit(run_cli(body))
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            assert proc.stdout.readline() == "ready\n"
+            assert _readline(proc, timeout=120) == "ready\n", proc.stderr.read() if proc.poll() is not None else ""
             two.kill(1)
             out, err = proc.communicate("go\n", timeout=120)
         finally:
