@@ -16,7 +16,6 @@ weights in the mapped file.
 from __future__ import annotations
 
 import ctypes
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -24,6 +23,7 @@ import ggml
 from tqdm import tqdm
 
 from gguf_arch.arch.tensors import TOKEN_EMBD, plan_tensors
+from gguf_arch.io.console import human_size, task_bar
 
 from .cache import SequenceCache
 from .loader import GGUFWeights
@@ -33,13 +33,6 @@ from .rpc import (Connection, Endpoint, EndpointError, SizedHere, check_alive, g
 from .sched import SchedExecutor
 
 UPLOAD_CHUNK_BYTES = 64 << 20
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n / 1024:.1f} KiB"
 
 
 @dataclass
@@ -142,8 +135,7 @@ class Devices:
             if r is not None and p.name in self.weights.tensors:
                 r.names.append(p.name)
         total = sum(ggml.ggml_nbytes(self.weights.tensors[n]) for r in self._remotes.values() for n in r.names)
-        with tqdm(total=total, desc="upload", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-                  file=sys.stderr, dynamic_ncols=True) as bar:
+        with task_bar("upload to the RPC servers", total, enabled=progress, in_bytes=True) as bar:
             for r in self._remotes.values():
                 self._allocate_remote(r)
                 for name in r.names:
@@ -160,7 +152,7 @@ class Devices:
             self._mapped[name], self.weights.tensors[name] = src, dst
         r.buffer = ggml.ggml_backend_alloc_ctx_tensors(r.ctx, r.backend)
         if not r.buffer:
-            raise MemoryError(f"RPC server {r.endpoint}: cannot allocate {self._bytes(r.names) / 2**20:.1f} MiB "
+            raise MemoryError(f"RPC server {r.endpoint}: cannot allocate {human_size(self._bytes(r.names))} "
                               "for its layers' weights")
         ggml.ggml_backend_buffer_set_usage(r.buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         r.nbytes = self._bytes(r.names)
@@ -227,8 +219,8 @@ class Devices:
             parts += (["embedding"] if d == p.cpu else []) + (["output"] if d == p.output_device else [])
             if d in backends:
                 b = backends[d]
-                parts.append(f"{_size(weights[d])} weights, {_size(cache.nbytes(b))} caches, "
-                             f"{_size(executor.buffer_size(b))} compute")
+                parts.append(f"{human_size(weights[d])} weights, {human_size(cache.nbytes(b))} caches, "
+                             f"{human_size(executor.buffer_size(b))} compute")
             else:
                 parts.append("not used")
             rows.append((f"device {d}", f"{name}: {'; '.join(parts)}"))

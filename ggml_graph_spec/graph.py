@@ -16,6 +16,8 @@ import numpy as np
 
 from gguf_arch.arch.config import K3Config
 
+from . import taps
+
 # What every builder passes around: a node of the graph (or a weight) as ggml-python's pointer.
 Tensor = ggml.ggml_tensor_p
 
@@ -50,8 +52,9 @@ class GraphBuild:
     """One graph under construction.
 
     Builders read ctx/gf/cfg/cache, n_tokens, n_past, n_kv = n_past + n_tokens, exact, dsa_path
-    (one of DSA_PATHS), and kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`, write the
-    persistent caches with `store` / `overwrite`, and keep extra outputs with `record`.
+    (one of DSA_PATHS), and kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`
+    (`constant` for one shared by several builders), write the persistent caches with `store` /
+    `overwrite`, and keep extra outputs with `record`.
 
     With `segments`, every tensor is also labelled with the segment (a layer index, or
     placement.INPUT_SEGMENT / OUTPUT_SEGMENT) that was current when it was created
@@ -75,8 +78,8 @@ class GraphBuild:
         self.dsa_path = dsa_path
         self._wants = frozenset(wants)
         self.inputs: list[tuple[Any, np.ndarray]] = []
-        self.records: dict[tuple[str, int], Any] = {}
-        self._row_ids: dict[int, Any] = {}  # n -> I32 input 0..n-1 (exact path's weight rows)
+        self.records: dict[tuple[str, int | str], Any] = {}  # (what, layer or weight name) -> tensor
+        self._constants: dict[str, Any] = {}
         self._segments: dict[int, Hashable] | None = {} if segments else None  # tensor address -> segment
         self._segment: Hashable = INPUT_SEGMENT
         self._seen = None  # the last tensor of ctx given a segment
@@ -93,6 +96,12 @@ class GraphBuild:
         ggml.ggml_set_input(t)
         self.inputs.append((t, value))
         return t
+
+    def constant(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
+        """An input made once per graph however many builders ask for it by `name`."""
+        if name not in self._constants:
+            self._constants[name] = self.input(name, ggml_type, ne, value)
+        return self._constants[name]
 
     # ---- segments ----------------------------------------------------------------------------
     def begin_segment(self, segment: Hashable) -> None:
@@ -134,7 +143,7 @@ class GraphBuild:
     def wants(self, what: str) -> bool:
         return what in self._wants
 
-    def record(self, what: str, layer: int, t) -> None:
+    def record(self, what: str, layer: int | str, t) -> None:
         """Keep `t` as an extra output (kept alive by the allocator, read after compute)."""
         if not ggml.ggml_is_contiguous(t):
             t = ggml.ggml_cont(self.ctx, t)
@@ -175,6 +184,8 @@ class GraphBuild:
         output matrix of the real model included), while every call still pays one pass of
         dequantization over each non-F32 weight it uses.
         """
+        if self.wants(taps.IMATRIX):
+            taps.record_input_sq(self, w, x)
         if not self.exact or w.contents.type == F32:
             return ggml.ggml_mul_mat(self.ctx, w, x)
         n_in, n_rows = w.contents.ne[0], ggml.ggml_nrows(w)
@@ -192,9 +203,8 @@ class GraphBuild:
         """Rows r0 .. r0+n-1 of a 2-D weight as a new F32 tensor [ne0, n]."""
         nb1 = w.contents.nb[1]
         rows = ggml.ggml_view_2d(self.ctx, w, w.contents.ne[0], n, nb1, r0 * nb1)
-        if n not in self._row_ids:
-            self._row_ids[n] = self.input(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32))
-        return ggml.ggml_get_rows(self.ctx, rows, self._row_ids[n])
+        ids = self.constant(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32))
+        return ggml.ggml_get_rows(self.ctx, rows, ids)
 
     def rms_norm(self, x, weight, eps: float):
         """weight * x / sqrt(mean(x^2) + eps), over ne0."""

@@ -24,6 +24,7 @@ from gguf_arch.errors import KimiError
 from gguf_arch.arch.tensors import (ATTN_NORM, ATTN_RES_SCORE, FFN_NORM, FFN_RES_SCORE, OUTPUT, OUTPUT_NORM,
                                     OUTPUT_RES_SCORE, TOKEN_EMBD)
 
+from . import taps
 from .blocks.attn_res import ResidualBank, attn_res
 from .blocks.ffn import build_dense_ffn
 from .blocks.kda import build_kda
@@ -43,7 +44,7 @@ from .placement import OUTPUT_SEGMENT
 DEFAULT_DSA_PATH = "gather"
 
 
-WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe"})
+WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe", taps.MOE_NORMS, taps.IMATRIX})
 
 
 class EvalError(KimiError):
@@ -60,6 +61,9 @@ class EvalResult:
     index_scores: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, n_kv]
     moe_experts: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], ascending
     moe_weights: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], same order
+    moe_norms: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], same order (taps.py)
+    # weight name -> sum over the call's tokens of its input squared, [n_mat, ne0] (taps.py)
+    imatrix: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
@@ -107,7 +111,8 @@ _JOIN_FILL = {"index_selected": -1, "index_scores": -np.inf}
 def _join(parts: list[EvalResult]) -> EvalResult:
     """Per-batch results as one: rows concatenated, short rows padded (-1 / -inf)."""
     out = EvalResult(np.concatenate([p.logits for p in parts]))
-    for name in ("hidden", "index_selected", "index_scores", "moe_experts", "moe_weights"):
+    out.imatrix = {name: sum(p.imatrix[name] for p in parts) for name in parts[0].imatrix}
+    for name in ("hidden", "index_selected", "index_scores", "moe_experts", "moe_weights", "moe_norms"):
         for layer in getattr(parts[0], name):
             rows = [getattr(p, name)[layer] for p in parts]
             width = max(r.shape[1] for r in rows)
@@ -251,12 +256,14 @@ class Model:
         return self.run(tokens).logits
 
     def run(self, tokens: Sequence[int], want: Iterable[str] = ()) -> EvalResult:
-        """Like eval, with extra outputs: any of "hidden", "index_selected", "index_scores", "moe".
+        """Like eval, with extra outputs: any of WANTS ("moe_norms" and "imatrix": taps.py).
 
         With n_batch set, the tokens go through the graph n_batch at a time (the caches make
         that the same computation); the results are joined as if computed in one call.
         """
         want = frozenset(want)
+        if taps.MOE_NORMS in want:  # reported in the order of moe_experts, which sorts them
+            want |= {"moe"}
         ids = self._check_tokens(tokens, want)
         step = self.n_batch or len(ids)
         parts = [self._run_batch(ids[i:i + step], want) for i in range(0, len(ids), step)]
@@ -265,10 +272,11 @@ class Model:
     def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
                        top_k=self.top_k, wants=want, dsa_path=self.dsa_path, segments=self._exec.segments)
+        size = self._graph_size + (taps.NODES_PER_LAYER * self.cfg.num_layers if want & taps.WANTS else 0)
         if want:  # extra outputs: a fresh memory plan (Executor.plan says why)
-            with self._exec.graph(self._graph_size, make) as g:
+            with self._exec.graph(size, make) as g:
                 self._exec.plan(g, [build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))])
-        with self._exec.graph(self._graph_size, make) as g:
+        with self._exec.graph(size, make) as g:
             logits = build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))
             self._exec.compute(g, [logits])
             result = self._collect(g, logits)
@@ -303,10 +311,16 @@ class Model:
                 r.moe_experts[layer] = a
             elif what == "moe_weights":
                 r.moe_weights[layer] = a.reshape(g.n_tokens, -1)
+            elif what == taps.MOE_NORMS:
+                r.moe_norms[layer] = a
+            elif what == taps.IMATRIX:
+                r.imatrix[layer] = a
         for layer, experts in r.moe_experts.items():  # report in ascending expert id, as the fixture
             order = np.argsort(experts, axis=1, kind="stable")
             r.moe_experts[layer] = np.take_along_axis(experts, order, 1)
             r.moe_weights[layer] = np.take_along_axis(r.moe_weights[layer], order, 1)
+            if layer in r.moe_norms:
+                r.moe_norms[layer] = np.take_along_axis(r.moe_norms[layer], order, 1)
         return r
 
     def close(self) -> None:

@@ -26,8 +26,8 @@ from typing import NoReturn, Sequence
 import ggml
 
 from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, KimiError, run_cli
+from gguf_arch.io.console import ArgumentParser
 
-from .cli import _Parser  # the tools' argparse: usage errors as one line, exit 2
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50052
@@ -52,7 +52,7 @@ class _Stop(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kimi-k3-rpc-server", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="kimi-k3-rpc-server", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default=DEFAULT_HOST,
                    help=f"IPv4 address to listen on (default {DEFAULT_HOST}; others need --allow-remote)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")

@@ -7,6 +7,7 @@ started by the tests on free 127.0.0.1 ports and killed when the module ends.
 """
 from __future__ import annotations
 
+import re
 import select
 import socket
 import subprocess
@@ -190,13 +191,18 @@ def _driver(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+# What ggml and Python print when they fail on their own: ggml's abort report (file:line, then a
+# backtrace), its transport's log lines, a traceback.
+_RAW_FAILURE = re.compile(r"\.(c|cpp|h):\d+: |^#\d+ |send failed|recv failed|Failed to connect|Traceback")
+
+
 def _one_error_line(err: str, *needles: str) -> str:
-    """stderr is the runner's summary lines, then exactly one error line: no traceback, no
-    ggml abort report (file:line, backtrace), nothing else."""
+    """stderr ends with exactly one error line, and nothing before it is a raw failure report
+    (the runner's own log lines, print_info: and the like, may come first)."""
     lines = err.rstrip("\n").splitlines()
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and lines[-1] == errors[0], err
-    assert all(line.startswith("print_info: ") for line in lines[:-1]), err
+    assert not any(_RAW_FAILURE.search(line) for line in lines[:-1]), err
     for needle in needles:
         assert needle in errors[0], err
     return errors[0]
