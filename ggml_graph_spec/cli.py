@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repack", action="store_true",
                    help="copy the routed experts into ggml's repacked MXFP4 layout, as llama.cpp does by default: "
                         "faster MoE matmuls, anonymous memory the size of the experts (fast path only)")
+    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
+                   help="spread the layers over these ggml RPC servers (started with kimi-k3-rpc-server) and "
+                        "this host")
+    p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
+                   help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
+                        "(missing values are 0; default: each one's free memory)")
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
@@ -136,6 +142,10 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"-s/--seed must be at most {RANDOM_SEED} (a 32-bit seed, as llama.cpp's), got {a.seed}")
     if a.repack and a.exact_experts:
         raise UsageError("--repack applies to the fast path, not with --exact-experts")
+    if a.tensor_split is not None and a.rpc is None:
+        raise UsageError("--tensor-split needs --rpc")
+    if a.repack and a.rpc is not None:
+        raise UsageError("--repack applies to this host's weights only, not with --rpc")
 
 
 def run_mode(a: argparse.Namespace) -> str:
@@ -235,7 +245,8 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
         apply_kv_overrides(weights, tokenizer, dict(args.override_kv))
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
                       dsa=args.dsa == "on", top_k=None, n_threads=args.threads or os.cpu_count() or 1,
-                      dsa_path=args.dsa_path)
+                      dsa_path=args.dsa_path, rpc=args.rpc or (), tensor_split=args.tensor_split,
+                      progress=sys.stderr.isatty())
     except BaseException:
         weights.close()
         raise
@@ -273,6 +284,8 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
                         if w.repacked else "weights mapped from the file, none repacked")),
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]
+    if model.devices is not None:
+        rows += model.devices.summary(model.cache, model.executor)
     rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()] + [("note", n) for n in w.notes]
     return [f"print_info: {k:<16} = {v}" for k, v in rows]
 

@@ -31,8 +31,10 @@ from .blocks.kda import build_kda
 from .blocks.mla import build_mla
 from .blocks.moe import build_moe
 from .cache import SequenceCache
+from .devices import Devices
 from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
+from .placement import OUTPUT_SEGMENT
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py (attention kernel 0.41-0.96x of masked on the fast path, 0.07-0.21x
@@ -71,6 +73,7 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
     p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type
     bank = ResidualBank()
     for l in range(cfg.num_layers):
+        g.begin_segment(l)
         w = weights.layer(l)
         x = p if len(bank) == 0 else attn_res(g, p, bank, w(ATTN_RES_SCORE))
         if l % cfg.attn_res_block_size == 0:
@@ -85,6 +88,7 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
         p = ggml.ggml_add(c, p, f)
         if g.wants("hidden"):
             g.record("hidden", l, p)
+    g.begin_segment(OUTPUT_SEGMENT)
     out = attn_res(g, p, bank, t[OUTPUT_RES_SCORE])
     out = g.rms_norm(out, t[OUTPUT_NORM], cfg.rms_norm_eps)
     return g.mm(t[OUTPUT], out)  # [vocab, T]
@@ -131,7 +135,9 @@ class Model:
     """A loaded GGUF plus one sequence's caches. Not thread-safe; one sequence at a time."""
 
     def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
-                 top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str | None = None):
+                 top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str | None = None,
+                 rpc: str | Sequence[str] = (), tensor_split: str | Sequence[float] | None = None,
+                 progress: bool = False):
         if exact and weights.repacked:
             raise EvalError(f"{weights.path}: the exact path dequantizes the experts from the file's layout; "
                             "load the GGUF without repack for it")
@@ -149,15 +155,33 @@ class Model:
         if dsa_path not in DSA_PATHS:
             raise EvalError(f"dsa_path must be one of {', '.join(DSA_PATHS)}, got {dsa_path!r}")
         self.dsa_path = dsa_path
-        self._exec = Executor(n_threads)
-        self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
-                                   with_indexer=dsa and self.cfg.indexer is not None)
         self._graph_size = _graph_size(weights)
+        self.devices = self._connect(rpc, tensor_split, n_threads, progress)
+        try:
+            self._exec = Executor(n_threads) if self.devices is None else self.devices.executor(self._graph_size)
+            self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
+                                       with_indexer=dsa and self.cfg.indexer is not None,
+                                       layer_backends=self.devices and self.devices.layer_backends(self._exec.backend))
+        except BaseException:
+            if self.devices is not None:
+                self.devices.close()
+            raise
+
+    def _connect(self, rpc, tensor_split, n_threads: int, progress: bool) -> Devices | None:
+        """The RPC servers with their layers uploaded (None: everything on the local CPU)."""
+        if not rpc:
+            if tensor_split is not None:
+                raise EvalError("tensor_split places layers over RPC servers; give rpc too")
+            return None
+        if self.weights.repacked:
+            raise EvalError(f"{self.weights.path}: repacked experts stay on this host; load without repack for rpc")
+        return Devices.connect(self.weights, rpc, tensor_split=tensor_split, n_threads=n_threads, progress=progress)
 
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
              top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None,
-             dsa_path: str | None = None, repack: bool = False) -> "Model":
+             dsa_path: str | None = None, repack: bool = False, rpc: str | Sequence[str] = (),
+             tensor_split: str | Sequence[float] | None = None, progress: bool = False) -> "Model":
         """Open and validate a kimi-k3 GGUF.
 
         exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
@@ -170,6 +194,12 @@ class Model:
         over the whole cache with the selection as a mask (same logits to f32 rounding);
         None: DEFAULT_DSA_PATH. repack: the routed experts in ggml's repacked
         layout (faster MoE matmuls, anonymous memory the size of the experts; fast path only).
+        rpc: ggml RPC servers ("host:port", started with kimi-k3-rpc-server) to spread the layers
+        over, with the local CPU last; tensor_split: one proportion per server then the CPU
+        (default: their free memory), see devices.py. A server unreachable at load is an RpcError;
+        one lost between calls is an RpcError from the next call; one lost during a call ends the
+        process with one line and exit code 1 (ggml's RPC client aborts otherwise; rpc.py).
+        progress: a progress bar on stderr while the servers' weights are uploaded.
         """
         if repack and exact_experts:
             raise EvalError("repack applies to the fast path; the exact path reads the experts from the file")
@@ -180,8 +210,8 @@ class Model:
         try:
             return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
                        n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads, n_batch=n_batch,
-                       dsa_path=dsa_path)
-        except EvalError:
+                       dsa_path=dsa_path, rpc=rpc, tensor_split=tensor_split, progress=progress)
+        except BaseException:
             weights.close()
             raise
 
@@ -210,8 +240,15 @@ class Model:
     def n_ctx(self) -> int:
         return self.cache.n_ctx
 
+    @property
+    def executor(self) -> Executor:
+        """What runs the graphs: the CPU executor, or ggml's scheduler over the RPC devices."""
+        return self._exec
+
     # ---- running -----------------------------------------------------------------------------
     def reset(self) -> None:
+        if self.devices is not None:
+            self.devices.check("before a reset")
         self.cache.reset()
 
     def eval(self, tokens: Sequence[int]) -> np.ndarray:
@@ -234,8 +271,11 @@ class Model:
 
     def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
-                       top_k=self.top_k, wants=want, dsa_path=self.dsa_path)
+                       top_k=self.top_k, wants=want, dsa_path=self.dsa_path, segments=self._exec.segments)
         size = self._graph_size + (taps.NODES_PER_LAYER * self.cfg.num_layers if want & taps.WANTS else 0)
+        if want:  # extra outputs: a fresh memory plan (Executor.plan says why)
+            with self._exec.graph(size, make) as g:
+                self._exec.plan(g, [build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))])
         with self._exec.graph(size, make) as g:
             logits = build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))
             self._exec.compute(g, [logits])
@@ -284,7 +324,11 @@ class Model:
         return r
 
     def close(self) -> None:
-        """Free the graph allocator, the caches and the weights' ggml objects."""
-        self.cache.free()
-        self._exec.free()
+        """Free the graph allocator, the caches and the weights' ggml objects. With a lost RPC
+        server, what lives on the servers is left as it is: ggml would abort on freeing it."""
+        if self.devices is None or self.devices.alive():
+            self.cache.free()
+            self._exec.free()
+            if self.devices is not None:
+                self.devices.close()
         self.weights.close()
