@@ -34,6 +34,11 @@ DSA_PATHS = ("masked", "gather")
 # The exact path dequantizes weights in chunks of at most this many F32 bytes (see GraphBuild.mm).
 DEQUANT_CHUNK_BYTES = 256 << 20
 
+# Moonshot's reference normalises KDA's q/k (L2 norm, fla's eps) and MLA's q_a/kv_a latents
+# (layernorms built without eps, so the class default) with eps 1e-6; llama.cpp uses the model's
+# rms_norm_eps (1e-5) for both. See GraphBuild.qk_latent_eps.
+REFERENCE_QK_LATENT_EPS = 1e-6
+
 _NUMPY_OF = {F32: np.float32, F16: np.float16, I32: np.int32}
 
 
@@ -205,6 +210,15 @@ class GraphBuild:
         rows = ggml.ggml_view_2d(self.ctx, w, w.contents.ne[0], n, nb1, r0 * nb1)
         ids = self.constant(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32))
         return ggml.ggml_get_rows(self.ctx, rows, ids)
+
+    @property
+    def qk_latent_eps(self) -> float:
+        """The eps of the KDA q/k L2 norm and the MLA latent norms: the reference's (1e-6) on the
+        exact path, llama.cpp's (rms_norm_eps) on the fast one, which is there to give the numbers
+        llama.cpp gives for the same GGUF. 1e-5 against 1e-6 moves q/k by ~4e-6 relative: enough
+        to flip activations across a BF16 rounding step in the next matmul (k3-tiny, layer 0:
+        8e-5 relative instead of equal)."""
+        return REFERENCE_QK_LATENT_EPS if self.exact else self.cfg.rms_norm_eps
 
     def rms_norm(self, x, weight, eps: float):
         """weight * x / sqrt(mean(x^2) + eps), over ne0."""

@@ -35,9 +35,13 @@ def attn_res(g: GraphBuild, p: Tensor, bank: ResidualBank, score: Tensor) -> Ten
     c = g.ctx
     values = bank.values + [p]
     keys = bank.keys + [ggml.ggml_rms_norm(c, p, g.cfg.rms_norm_eps)]
-    logits = ggml.ggml_mul_mat(c, score, keys[0])  # [1, T] per candidate
-    for key in keys[1:]:
-        logits = ggml.ggml_concat(c, logits, ggml.ggml_mul_mat(c, score, key), 0)
+    # key . score as llama.cpp computes it, a mul and a sum_rows (which sums in double): a
+    # mul_mat sums in another order, and the last bit it changes in the mix is enough to flip
+    # activations across a BF16 rounding step in the next matmul.
+    logits = None
+    for key in keys:
+        s = ggml.ggml_sum_rows(c, ggml.ggml_mul(c, key, score))  # [1, T] per candidate
+        logits = s if logits is None else ggml.ggml_concat(c, logits, s, 0)
     probs = ggml.ggml_soft_max(c, logits)  # [n_candidates, T]
     row = probs.contents.nb[1]
     mix = None

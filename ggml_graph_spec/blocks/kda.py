@@ -14,14 +14,13 @@ from gguf_arch.arch.tensors import (ATTN_K, ATTN_OUTPUT, ATTN_Q, ATTN_V, SSM_A, 
 from ..graph import GraphBuild, Tensor
 from ..loader import LayerWeights
 
-# fla's q/k pre-processing in chunk_kda / fused_recurrent_kda: x / sqrt(sum(x^2) + 1e-6)
-# (fixture README; the q/k L2-norm eps is one of the traps the fixture discriminates).
-KDA_L2_EPS = 1e-6
-
-
 def _l2_norm_heads(g: GraphBuild, x: Tensor, head_dim: int) -> Tensor:
-    """x / sqrt(sum(x^2) + 1e-6) per head, as rms_norm(x, eps/d) / sqrt(d) (same value exactly)."""
-    return ggml.ggml_scale(g.ctx, ggml.ggml_rms_norm(g.ctx, x, KDA_L2_EPS / head_dim), head_dim ** -0.5)
+    """x / sqrt(sum(x^2) + eps) per head, as rms_norm(x, eps/d) / sqrt(d) (same value exactly).
+
+    eps: g.qk_latent_eps (the reference's 1e-6, fla's q/k pre-processing in chunk_kda /
+    fused_recurrent_kda, is one of the traps the fixture discriminates)."""
+    eps = g.qk_latent_eps
+    return ggml.ggml_scale(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps / head_dim), head_dim ** -0.5)
 
 
 def _short_conv(g: GraphBuild, w: LayerWeights, which: str, u: Tensor) -> Tensor:

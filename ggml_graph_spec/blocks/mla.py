@@ -14,6 +14,7 @@ Two attention kernels share everything else:
 from __future__ import annotations
 
 import ggml
+import numpy as np
 
 from gguf_arch.arch.tensors import (ATTN_GATE, ATTN_KV_A_MQA, ATTN_KV_A_NORM, ATTN_K_B, ATTN_OUTPUT,
                                     ATTN_Q_A, ATTN_Q_A_NORM, ATTN_Q_B, ATTN_V_B)
@@ -21,10 +22,6 @@ from gguf_arch.arch.tensors import (ATTN_GATE, ATTN_KV_A_MQA, ATTN_KV_A_NORM, AT
 from . import dsa
 from ..graph import GraphBuild, Tensor
 from ..loader import LayerWeights
-
-# Moonshot's q_a_layernorm / kv_a_layernorm are built without eps and use the class default;
-# llama.cpp uses the model's rms_norm_eps here instead.
-LATENT_NORM_EPS = 1e-6
 
 _F16 = ggml.GGML_TYPE_F16
 
@@ -35,7 +32,7 @@ GATHER_CHUNK_BYTES = 64 << 20
 
 def q_lora_latent(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """cq = rmsnorm(attn_q_a x), [q_lora, T]: the MLA queries and the DSA indexer queries read it."""
-    return g.rms_norm(g.mm(w(ATTN_Q_A), x), w(ATTN_Q_A_NORM), LATENT_NORM_EPS)
+    return g.rms_norm(g.mm(w(ATTN_Q_A), x), w(ATTN_Q_A_NORM), g.qk_latent_eps)
 
 
 def absorbed_query(g: GraphBuild, w: LayerWeights, cq: Tensor) -> Tensor:
@@ -47,8 +44,10 @@ def absorbed_query(g: GraphBuild, w: LayerWeights, cq: Tensor) -> Tensor:
     q_nope = ggml.ggml_view_3d(ctx, q, c.qk_nope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2], 0)
     q_pe = ggml.ggml_view_3d(ctx, q, c.qk_rope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2],
                              c.qk_nope_head_dim * f)
-    # Heads become the batch dim so attn_k_b [nope, kv_lora, H] multiplies each head's query.
-    q_nope = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [nope, T, H]
+    # Heads become the batch dim so attn_k_b [nope, kv_lora, H] multiplies each head's query. The
+    # permuted view goes in as is, as in llama.cpp: for an F32 weight ggml then takes its
+    # non-contiguous matmul path, whose summation order differs from the contiguous one's.
+    q_nope = ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3)  # [nope, T, H]
     q_lat = g.mm(w(ATTN_K_B), q_nope)  # [kv_lora, T, H]
     q_pe = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_pe, 0, 2, 1, 3))  # [rope, T, H]
     return ggml.ggml_concat(ctx, q_lat, q_pe, 0)
@@ -62,7 +61,7 @@ def latent_row(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     f = ggml.ggml_element_size(kv)
     lat = ggml.ggml_view_2d(ctx, kv, c.kv_lora_rank, T, kv.contents.nb[1], 0)
     k_pe = ggml.ggml_view_2d(ctx, kv, c.qk_rope_head_dim, T, kv.contents.nb[1], c.kv_lora_rank * f)
-    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w(ATTN_KV_A_NORM), LATENT_NORM_EPS)
+    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w(ATTN_KV_A_NORM), g.qk_latent_eps)
     return ggml.ggml_concat(ctx, lat, ggml.ggml_cont(ctx, k_pe), 0)
 
 
@@ -85,7 +84,8 @@ def attend_flash(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: floa
     mask -> [kv_lora, T, H]."""
     ctx = g.ctx
     o = ggml.ggml_flash_attn_ext(ctx, q, kv, _value_view(g, kv), ggml.ggml_cast(ctx, mask, _F16), scale, 0.0, 0.0)
-    return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [kv_lora, H, T] -> [kv_lora, T, H]
+    # A view, not a copy, for attn_v_b's matmul (as in llama.cpp; see absorbed_query).
+    return ggml.ggml_permute(ctx, o, 0, 2, 1, 3)  # [kv_lora, H, T] -> [kv_lora, T, H]
 
 
 def _gathered_rows(g: GraphBuild, kv: Tensor, sel: Tensor) -> Tensor:
@@ -165,7 +165,9 @@ def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     kv = g.store(g.cache.mla_latent(w.layer), latent_row(g, w, x))  # [kv_lora + rope, n_kv]
     top_k = g.dsa_top_k(w.layer)
     mask = g.kq_mask if top_k is None else dsa.build_dsa_mask(g, w, x, cq, top_k)
-    scale = c.qk_head_dim ** -0.5  # the full nope + rope head dim, not the absorbed length
+    # The full nope + rope head dim, not the absorbed length; 1/sqrt in F32 as llama.cpp computes
+    # it (1 ulp off the correctly rounded value for some dims, 24 in the fixtures).
+    scale = float(np.float32(1) / np.sqrt(np.float32(c.qk_head_dim)))
     if top_k is not None and g.dsa_path == "gather" and top_k < g.n_kv:
         o_lat = attend_gathered(g, q, kv, mask, top_k, scale)
     else:  # dense, masked DSA, or a selection that is the whole visible context anyway

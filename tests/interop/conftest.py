@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import convert_kimi_k3
+import ggml
 
 WORKER = Path(__file__).with_name("llama_worker.py")
 GGML_TYPE_F32 = 0  # ggml.h enum ggml_type; type_k / type_v of a llama.cpp context
@@ -54,6 +55,48 @@ def llama_run(model: Path, calls: list[tuple], tmp_path: Path, **params: Any) ->
     assert r.returncode == 0, f"llama worker exited with {r.returncode}: {r.stderr[-2000:]}"
     out = pickle.loads(result.read_bytes())
     return LoadFailure(out["load_error"], out["log_errors"]) if isinstance(out, dict) else out
+
+
+# What ggml's CPU kernels are compiled for: the last bit of an op's result depends on it.
+CPU_FEATURES = ("avx", "avx2", "fma", "f16c", "bmi2", "avx512", "avx512_vbmi", "avx512_vnni", "avx512_bf16",
+                "llamafile")
+
+
+@dataclass
+class Kernels:
+    """How llama.cpp's ggml kernels compare with ggml-python's, to the last bit.
+
+    Two things can differ: the CPU features the two ggml builds target, and llama.cpp's AttnRes
+    mix (ggml_dsv4_hc_pre, an op ggml 0.15.3 does not have; our graph multiplies and adds, which
+    no compiler fuses across ops) when its compiler fused that loop's multiply-adds. GCC 12 fuses
+    it with generic x86-64, x86-64-v3 and Intel -march tunings, not with AMD Zen ones
+    (-march=native on this project's EPYC machines); clang fuses by default.
+    """
+
+    feature_mismatch: str  # '' or which features differ
+    fused_mix: bool  # llama.cpp's mix rounds once per multiply-add (1 ulp against ours)
+
+    @property
+    def same(self) -> bool:
+        return not self.feature_mismatch and not self.fused_mix
+
+    def skip_unless_same(self) -> None:
+        """Bit equality with llama.cpp is a claim about two builds of the same kernels."""
+        why = [self.feature_mismatch] if self.feature_mismatch else []
+        if self.fused_mix:
+            why.append("llama.cpp's ggml_dsv4_hc_pre fuses its multiply-adds: 1 ulp against our mul + add in "
+                       "AttnRes mixes of 3 or more candidates")
+        if why:
+            pytest.skip(f"the two runtimes' kernels differ in the last bit here ({'; '.join(why)})")
+
+
+@pytest.fixture(scope="session")
+def llama_kernels(k3_tiny_gguf, tmp_path_factory) -> Kernels:
+    fused, theirs = llama_run(k3_tiny_gguf, [("fused_attn_res_mix",), ("cpu_features", list(CPU_FEATURES))],
+                              tmp_path_factory.mktemp("llama"))
+    ours = {name: getattr(ggml, f"ggml_cpu_has_{name}")() for name in CPU_FEATURES}
+    return Kernels("; ".join(f"{n}: ggml-python {ours[n]}, llama.cpp {theirs[n]}"
+                             for n in CPU_FEATURES if ours[n] != theirs[n]), fused)
 
 
 def _convert(tmp_path_factory, model_dir: Path, name: str, *flags: str) -> Path:

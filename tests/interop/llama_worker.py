@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import pickle
 import sys
+from pathlib import Path
 
 import llama_cpp
 import llama_cpp._ggml  # llama-cpp-python's ctypes handle on its own ggml
@@ -84,6 +85,7 @@ def named_outputs(llm, ids: list[int], names: list[str]) -> dict[str, np.ndarray
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = cp.n_batch = cp.n_ubatch = max(32, len(ids))
     cp.n_threads = cp.n_threads_batch = llm.n_threads
+    cp.flash_attn_type = llm.context_params.flash_attn_type  # the Llama's setting, not the default
     cp.cb_eval = callback
     ctx = llama_cpp.llama_init_from_model(llm.model, cp)
     try:
@@ -95,7 +97,54 @@ def named_outputs(llm, ids: list[int], names: list[str]) -> dict[str, np.ndarray
     return got
 
 
-CALLS = {f.__name__: f for f in (logits, greedy, tokenize, detokenize, metadata, named_outputs)}
+def cpu_features(_llm, names: list[str]) -> dict[str, int]:
+    """ggml_cpu_has_<name>() of llama.cpp's own ggml CPU backend, for each name."""
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).with_name("lib") / "libggml-cpu.so"))
+    return {name: getattr(lib, f"ggml_cpu_has_{name}")() for name in names}
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def _ggml_api():
+    """llama.cpp's own ggml (base and CPU backend) with the few signatures fused_attn_res_mix needs."""
+    base = llama_cpp._ggml.libggml
+    cpu = ctypes.CDLL(str(Path(llama_cpp.__file__).with_name("lib") / "libggml-cpu.so"))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for lib, name, res, args in ((base, "ggml_init", p, [_InitParams]), (base, "ggml_free", None, [p]),
+                                 (base, "ggml_new_tensor_2d", p, [p, ctypes.c_int, i64, i64]),
+                                 (base, "ggml_new_tensor_3d", p, [p, ctypes.c_int, i64, i64, i64]),
+                                 (base, "ggml_dsv4_hc_pre", p, [p, p, p]), (base, "ggml_new_graph", p, [p]),
+                                 (base, "ggml_build_forward_expand", None, [p, p]), (base, "ggml_get_data", p, [p]),
+                                 (cpu, "ggml_graph_compute_with_ctx", ctypes.c_int, [p, p, ctypes.c_int])):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
+    return base, cpu
+
+
+def fused_attn_res_mix(_llm) -> bool:
+    """Whether llama.cpp's ggml_dsv4_hc_pre (its AttnRes mix: sum = 0; sum += x*w per candidate)
+    was compiled into fused multiply-adds, a compiler's choice. Computed on x = [-1, 1 + 2^-12],
+    w = [1 + 2^-11, 1 + 2^-12]: x1*w1 = 1 + 2^-11 + 2^-24 rounds to 1 + 2^-11, so the unfused sum
+    is 0 and the fused one 2^-24."""
+    base, cpu = _ggml_api()
+    ctx = base.ggml_init(_InitParams(1 << 20, None, False))
+    try:
+        x, w = base.ggml_new_tensor_3d(ctx, 0, 1, 2, 1), base.ggml_new_tensor_2d(ctx, 0, 2, 1)  # 0: GGML_TYPE_F32
+        for t, values in ((x, [-1.0, 1 + 2**-12]), (w, [1 + 2**-11, 1 + 2**-12])):
+            ctypes.memmove(base.ggml_get_data(t), (ctypes.c_float * 2)(*values), 8)
+        out = base.ggml_dsv4_hc_pre(ctx, x, w)
+        graph = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(graph, out)
+        if cpu.ggml_graph_compute_with_ctx(ctx, graph, 1) != 0:
+            raise RuntimeError("ggml_graph_compute_with_ctx failed")
+        return ctypes.c_float.from_address(base.ggml_get_data(out)).value != 0.0
+    finally:
+        base.ggml_free(ctx)
+
+
+CALLS = {f.__name__: f for f in (logits, greedy, tokenize, detokenize, metadata, named_outputs, cpu_features,
+                                 fused_attn_res_mix)}
 
 
 def main(request_path: str, result_path: str) -> None:

@@ -44,19 +44,19 @@ def _rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
 
-def q_lora_latent(W: dict, x: np.ndarray) -> np.ndarray:
-    return _rms(x @ W["attn_q_a.weight"].T.astype(np.float64), W["attn_q_a_norm.weight"], LATENT_EPS)
+def q_lora_latent(W: dict, x: np.ndarray, eps: float = LATENT_EPS) -> np.ndarray:
+    return _rms(x @ W["attn_q_a.weight"].T.astype(np.float64), W["attn_q_a_norm.weight"], eps)
 
 
-def mla(cfg: K3Config, W: dict, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def mla(cfg: K3Config, W: dict, x: np.ndarray, mask: np.ndarray, latent_eps: float = LATENT_EPS) -> np.ndarray:
     """Spec D.3 for one sequence whose cache holds exactly the rows of x: x [T, n_embd], mask
-    [T, T] (0 / -inf, added after the scale) -> [T, n_embd]."""
+    [T, T] (0 / -inf, added after the scale) -> [T, n_embd]. latent_eps: the q_a / kv_a norms'."""
     W = {k: v.astype(np.float64) for k, v in W.items()}
     x = x.astype(np.float64)
     T, H, nope, v_dim, r = x.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    q = (q_lora_latent(W, x) @ W["attn_q_b.weight"].T).reshape(T, H, nope + cfg.qk_rope_head_dim)
+    q = (q_lora_latent(W, x, latent_eps) @ W["attn_q_b.weight"].T).reshape(T, H, nope + cfg.qk_rope_head_dim)
     ckv = x @ W["attn_kv_a_mqa.weight"].T
-    c, k_pe = _rms(ckv[:, :r], W["attn_kv_a_norm.weight"], LATENT_EPS), ckv[:, r:]
+    c, k_pe = _rms(ckv[:, :r], W["attn_kv_a_norm.weight"], latent_eps), ckv[:, r:]
     w_kb = W["attn_k_b.weight"].transpose(0, 2, 1)  # GGUF (H, kv_lora, nope) -> HF (H, nope, kv_lora)
     k_nope = np.einsum("hnl,tl->thn", w_kb, c)
     v = np.einsum("hvl,tl->thv", W["attn_v_b.weight"], c)

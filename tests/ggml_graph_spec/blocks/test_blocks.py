@@ -18,10 +18,10 @@ from gguf_arch.arch.config import load_config
 from gguf_arch.arch.tensors import OUT_MXFP4, plan_tensors
 from ggml_graph_spec.blocks.attn_res import ResidualBank, attn_res
 from ggml_graph_spec.blocks.ffn import situ
-from ggml_graph_spec.blocks.kda import KDA_L2_EPS, build_kda
+from ggml_graph_spec.blocks.kda import build_kda
 from ggml_graph_spec.blocks.moe import build_moe
 from ggml_graph_spec.cache import SequenceCache
-from ggml_graph_spec.graph import F32, Executor, GraphBuild, new_tensor
+from ggml_graph_spec.graph import F32, REFERENCE_QK_LATENT_EPS, Executor, GraphBuild, new_tensor
 from ggml_graph_spec.loader import LayerWeights
 
 RTOL = 2e-5
@@ -54,15 +54,18 @@ def _random_weight(rng, name: str, shape: tuple[int, ...]) -> np.ndarray:
 class RandomLayer:
     """A layer's tensors with random values: ggml tensors (`w`) and their numpy values (`np`)."""
 
-    def __init__(self, cfg, layer: int, exe: Executor, seed: int):
+    def __init__(self, cfg, layer: int, exe: Executor, seed: int, scale: dict[str, float] | None = None):
+        """scale: factors for some of the weights, by name suffix (e.g. {"attn_q.weight": 1e-3})."""
         rng = np.random.default_rng(seed)
+        scale = scale or {}
         planned = [p for p in plan_tensors(cfg) if p.layer == layer and not p.spec.optional]
         self._ctx = ggml.ggml_init(ggml.ggml_init_params(
             mem_size=ggml.ggml_tensor_overhead() * len(planned), mem_buffer=None, no_alloc=True))
         self.np: dict[str, np.ndarray] = {}
         tensors, data = {}, {}
         for p in planned:
-            value = _random_weight(rng, p.name, p.shape).astype(np.float32)
+            factor = next((f for suffix, f in scale.items() if p.name.endswith(suffix)), 1.0)
+            value = (factor * _random_weight(rng, p.name, p.shape)).astype(np.float32)
             if p.spec.out == OUT_MXFP4:
                 raw = quantize(value, Q.MXFP4)
                 self.np[p.name] = dequantize(raw, Q.MXFP4)
@@ -118,7 +121,7 @@ def np_situ(gate, up, b1, b2):
     return b1 * np.tanh(gate / b1) * np_sigmoid(gate) * b2 * np.tanh(up / b2)
 
 
-def np_kda(cfg, L: RandomLayer, x: np.ndarray) -> np.ndarray:
+def np_kda(cfg, L: RandomLayer, x: np.ndarray, l2_eps: float = REFERENCE_QK_LATENT_EPS) -> np.ndarray:
     kda, T = cfg.kda, x.shape[0]
     S, H, P, K = kda.head_dim, kda.num_heads, kda.proj_dim, kda.conv_kernel
     qkv = {}
@@ -128,7 +131,7 @@ def np_kda(cfg, L: RandomLayer, x: np.ndarray) -> np.ndarray:
         padded = np.concatenate([np.zeros((K - 1, P)), u])
         conv = np.stack([(padded[t:t + K] * w.T).sum(0) for t in range(T)])
         qkv[n] = (conv * np_sigmoid(conv)).reshape(T, H, S)
-    l2 = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + KDA_L2_EPS)  # noqa: E731
+    l2 = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + l2_eps)  # noqa: E731
     q, k, v = l2(qkv["q"]) * S ** -0.5, l2(qkv["k"]), qkv["v"]
     s = ((x @ L("ssm_f_a.weight").T) @ L("ssm_f_b.weight").T + L("ssm_dt.bias")).reshape(T, H, S)
     g = kda.gate_lower_bound * np_sigmoid(-L("ssm_a")[None, :, None] * s)
@@ -201,6 +204,26 @@ def test_kda_prefill_then_continue_matches_the_delta_rule(cfg, exe):
         _close(got, np_kda(cfg, L, x.astype(np.float64)))
         cache.reset()
         _close(run_block(exe, cfg, cache, build, [x[:5]]), np_kda(cfg, L, x[:5].astype(np.float64)))
+    finally:
+        cache.free()
+        L.free()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_kda_l2_eps_is_the_reference_one_exact_and_llama_cpp_one_fast(cfg, exe, exact):
+    """q/k projections 1e-3 times smaller make sum(q^2) ~4e-6, so the L2-norm eps decides the
+    output: the exact path must be the reference (1e-6), the fast path llama.cpp (rms_norm_eps)."""
+    layer = cfg.kda.layers[1]
+    L = RandomLayer(cfg, layer, exe, seed=6, scale={"attn_q.weight": 1e-3, "attn_k.weight": 1e-3})
+    cache = SequenceCache(cfg, exe.backend, n_ctx=8, exact=exact, with_indexer=False)
+    try:
+        x = np.random.default_rng(7).standard_normal((4, cfg.hidden_size)).astype(np.float32)
+        got = run_block(exe, cfg, cache, lambda g, xt: build_kda(g, L.w, xt), [x], exact=exact)
+        ours, other = REFERENCE_QK_LATENT_EPS, cfg.rms_norm_eps
+        if not exact:
+            ours, other = other, ours
+        _close(got, np_kda(cfg, L, x.astype(np.float64), ours))
+        assert np.abs(got - np_kda(cfg, L, x.astype(np.float64), other)).max() > 0.1 * np.abs(got).max()
     finally:
         cache.free()
         L.free()

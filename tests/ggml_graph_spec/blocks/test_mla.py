@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ggml_graph_spec.blocks import mla
-from ggml_graph_spec.graph import causal_mask
+from ggml_graph_spec.graph import REFERENCE_QK_LATENT_EPS, causal_mask
 from gguf_arch.arch.config import load_config
 
 from tests.support import attn_reference as ref
@@ -73,14 +73,18 @@ def test_fast_decode_through_the_f16_cache(cfg, dense_layer):
     assert np.abs(y - want).max() / np.abs(want).max() < FAST_REL_TOL
 
 
-def test_latent_norms_use_eps_1e6(cfg, dense_layer):
-    """With latents of RMS ~1e-3, eps 1e-5 (the model's rms eps) and 1e-6 differ by ~3x; only
-    the reference default 1e-6 matches."""
+@pytest.mark.parametrize("exact", [True, False])
+def test_latent_norms_eps_is_the_reference_one_exact_and_llama_cpp_one_fast(cfg, dense_layer, exact):
+    """With latents of RMS ~1e-3, eps 1e-5 (the model's rms eps) and 1e-6 differ by ~3x: the
+    exact path must match the reference default 1e-6, the fast path llama.cpp's rms_norm_eps."""
     W, x = _inputs(cfg, 5)
     for name in ("attn_q_a.weight", "attn_kv_a_mqa.weight"):
         W[name] = W[name] * 1e-3
-    y, _ = AttnGraph(cfg, dense_layer, W, N_CTX).eval(mla.build_mla, x)
-    want = ref.mla(cfg, W, x, causal_mask(0, len(x)))
-    np.testing.assert_allclose(y, want, rtol=0, atol=EXACT_TOL * np.abs(want).max())
-    assert mla.LATENT_NORM_EPS == ref.LATENT_EPS
+    y, _ = AttnGraph(cfg, dense_layer, W, N_CTX, exact=exact).eval(mla.build_mla, x)
+    ours, other = (ref.LATENT_EPS, cfg.rms_norm_eps) if exact else (cfg.rms_norm_eps, ref.LATENT_EPS)
+    tol = EXACT_TOL if exact else FAST_REL_TOL
+    for eps, close in ((ours, True), (other, False)):
+        want = ref.mla(cfg, W, x, causal_mask(0, len(x)), latent_eps=eps)
+        assert (np.abs(y - want).max() <= tol * np.abs(want).max()) == close, eps
+    assert REFERENCE_QK_LATENT_EPS == ref.LATENT_EPS
 
