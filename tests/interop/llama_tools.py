@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -40,13 +41,31 @@ def llama_bin() -> Path:
     return Path(os.environ[LLAMA_BIN_ENV])
 
 
-def run_tool(tool: str, *args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run one tool to completion; a failure shows the end of its log."""
+def run_tool(tool: str, *args: str | Path, cwd: Path | None = None, binary: bool = False) -> subprocess.CompletedProcess:
+    """Run one tool to completion (output as text, or as bytes); a failure shows the end of its log."""
     cmd = [str(llama_bin() / tool), *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=TIMEOUT_S, cwd=cwd,
-                       stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, f"{tool} exited with {r.returncode}: {r.stderr[-3000:]}"
+    text = {} if binary else {"text": True, "errors": "replace"}
+    r = subprocess.run(cmd, capture_output=True, timeout=TIMEOUT_S, cwd=cwd, stdin=subprocess.DEVNULL, **text)
+    assert r.returncode == 0, f"{tool} exited with {r.returncode}: {r.stderr[-3000:]!r}"
     return r
+
+
+# llama.cpp's common logger writes from a thread of its own and nothing flushes it at exit
+# (common/log.cpp, common_log_main: "this design may cause logs to be lost if not flushed before
+# the program exits"): here the last lines of llama-perplexity and llama-completion were missing
+# from 5 of 12 runs. A run whose output lacks its closing line is run again, up to LOGGED_TRIES
+# times (all of them losing it: ~1e-3 at that rate).
+LOGGED_TRIES = 8
+
+
+def run_logged(tool: str, *args: str | Path, complete: Callable[[subprocess.CompletedProcess], bool],
+               binary: bool = False) -> subprocess.CompletedProcess:
+    """run_tool, again while `complete` says the output lost its end to the logger."""
+    for _ in range(LOGGED_TRIES):
+        r = run_tool(tool, *args, binary=binary)
+        if complete(r):
+            return r
+    raise AssertionError(f"{tool}: the end of the output was missing in {LOGGED_TRIES} runs: {r.stdout[-500:]!r}")
 
 
 # llama-cli is chat-first (no -no-cnv in this build): it renders the prompt with a chat template

@@ -8,8 +8,6 @@ base tensors are k3-tiny's bit for bit and --no-dsa drops only the indexer.
 """
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -20,7 +18,7 @@ from ggml_graph_spec.model import Model
 from ggml_graph_spec.tokenizer import BPETokenizer
 from tests.support.paths import TEXT
 
-from .llama_tools import TIMEOUT_S, llama_bin, llama_cli, run_tool
+from .llama_tools import llama_bin, llama_cli, run_logged, run_tool
 
 N_GREEDY = 16
 
@@ -82,29 +80,21 @@ def test_llama_cli_defaults_on_the_f32_gguf_print_our_fast_paths_tokens(k31pro_n
 
 
 def test_llama_cli_prints_our_fast_paths_tokens_on_the_gguf_as_converted(k31pro_no_dsa_gguf, prompt, tmp_path):
-    """MXFP4 experts, BF16 matrices, both runtimes' defaults.
-
-    KNOWN FAILURE on AVX512-BF16 CPUs until the fast-path fix lands: there our fast path's
-    greedy tokens differ from llama.cpp's, which are the reference's (findings.md, "Fast path vs
-    llama.cpp on an AVX512-BF16 CPU"); this test passes once the two fast paths agree again.
-    """
+    """MXFP4 experts, BF16 matrices, both runtimes' defaults: the same kernels, the same tokens
+    (on AVX512-BF16 CPUs since the fast path rounds as llama.cpp does there; findings.md, "Fast
+    path vs llama.cpp on an AVX512-BF16 CPU")."""
     got = llama_cli(k31pro_no_dsa_gguf, prompt, N_GREEDY, tmp_path, "-c", "128")
     assert got == _text(k31pro_no_dsa_gguf, _greedy(k31pro_no_dsa_gguf, prompt, exact=False))
 
 
 def test_llama_completion_prints_the_reference_tokens_byte_for_byte(k31pro_no_dsa_f32_gguf, k3_ref, prompt):
     # llama-completion is this tree's raw path (no chat template, -no-cnv); it prints each token's
-    # bytes as they are, then two newlines. Exact settings as above. Its last token and the
-    # newlines do not always reach stdout before it exits (2 runs of 6 here ended one token
-    # short), so the reply must be the reference's 16 tokens or their first 15.
-    r = subprocess.run([str(llama_bin() / "llama-completion"), "-m", str(k31pro_no_dsa_f32_gguf), "-p", prompt,
-                        "-n", str(N_GREEDY), "--temp", "0", "-c", "128", "-t", "2", "-ctk", "f32", "-ctv", "f32",
-                        "-fa", "off", "-no-cnv", "--no-display-prompt", "--special"],
-                       capture_output=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # bytes as they are, then two newlines. Exact settings as above.
+    r = run_logged("llama-completion", "-m", k31pro_no_dsa_f32_gguf, "-p", prompt, "-n", str(N_GREEDY), "--temp", "0",
+                   "-c", "128", "-t", "2", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-no-cnv",
+                   "--no-display-prompt", "--special", binary=True, complete=lambda r: r.stdout.endswith(b"\n\n"))
     t = BPETokenizer.from_gguf(k31pro_no_dsa_f32_gguf)
-    ref = [t.token_bytes(int(i)) for i in k3_ref["greedy_ids"]]
-    assert r.stdout.removesuffix(b"\n\n") in (b"".join(ref[:-1]), b"".join(ref))
+    assert r.stdout == b"".join(t.token_bytes(int(i)) for i in k3_ref["greedy_ids"]) + b"\n\n"
 
 
 # ---- llama-perplexity -------------------------------------------------------------------------
@@ -119,9 +109,9 @@ def test_llama_perplexity_equals_kimi_k3_cli_perplexity(k31pro_no_dsa_f32_gguf, 
     # cache starting with BOS; the exact settings on both sides (F32 GGUF; llama.cpp: F32 cache,
     # flash attention off, one sequence per batch; ours: --exact-experts).
     common = ["-c", "64", "--chunks", "4", "-t", "2", "-f", str(TEXT)]
-    r = run_tool("llama-perplexity", "-m", k31pro_no_dsa_f32_gguf, *common, "-b", "64", "-ctk", "f32", "-ctv",
-                 "f32", "-fa", "off")
-    theirs = _final_ppl(r.stdout + r.stderr)
+    r = run_logged("llama-perplexity", "-m", k31pro_no_dsa_f32_gguf, *common, "-b", "64", "-ctk", "f32", "-ctv",
+                   "f32", "-fa", "off", complete=lambda r: "Final estimate: PPL = " in r.stderr)
+    theirs = _final_ppl(r.stderr)
     assert cli.main(["-m", str(k31pro_no_dsa_f32_gguf), "--perplexity", "--exact-experts", *common]) == 0
     ours = _final_ppl(capsys.readouterr().out)
     # With these settings the two runtimes' logits agree to 3e-5 of the largest |logit| (12.7 on
