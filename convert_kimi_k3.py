@@ -1,6 +1,7 @@
 """Convert a Kimi K3 / K3.1-Pro Hugging Face checkpoint to one GGUF file (arch kimi-k3).
 
     python convert_kimi_k3.py MODEL_DIR OUT.gguf [--overwrite | --resume] [--no-dsa] [--quiet] [type options]
+        (or --outfile OUT.gguf, as llama.cpp's convert_hf_to_gguf.py)
         [--split-max-size N(K|M|G)] [--split-max-tensors N] [--log-json FILE] [--dry-run]
     python convert_kimi_k3.py MODEL_DIR --print-tensor-types [type options]
     python convert_kimi_k3.py --verify OUT.gguf MODEL_DIR
@@ -15,9 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from gguf_arch.arch.keys import dsa_key_lines
 from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_files
 from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
+from gguf_arch.io.console import ArgumentParser
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
 from quant_rules.options import (add_quant_arguments, format_tensor_types, quant_options, requantize_warning,
@@ -25,9 +28,11 @@ from quant_rules.options import (add_quant_arguments, format_tensor_types, quant
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert-kimi-k3", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="convert-kimi-k3", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path, help="checkpoint directory (config.json, index, shards, tokenizer)")
-    p.add_argument("out", type=Path, nargs="?", help="output .gguf file (not with --print-tensor-types)")
+    p.add_argument("out", type=Path, nargs="?", metavar="OUT", help="output .gguf file (not with --print-tensor-types)")
+    p.add_argument("--outfile", type=Path, metavar="OUT", help="the output file, as llama.cpp's converter names it "
+                                                              "(instead of the positional OUT)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-dsa", action="store_true",
                    help="convert a K3.1-Pro checkpoint as plain kimi-k3 (no indexer keys or tensors)")
@@ -54,15 +59,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace, log) -> None:
     if args.verify:
-        verify(args.verify, args.model_dir, log)
+        verify(args.verify, args.model_dir, log, bar=not args.quiet and sys.stderr.isatty())
         return
     quant = quant_options(args)
     if quant.requantize_experts is not None:
         print(requantize_warning(quant.requantize_experts), file=sys.stderr)
     if args.print_tensor_types or args.export_quantize_rules:
-        types, source, _ = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
+        types, source, cfg = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
         if args.print_tensor_types:
-            print("\n".join([source, *types.log, *format_tensor_types(types)]))
+            print("\n".join([source, *dsa_key_lines(cfg), *types.log, *format_tensor_types(types)]))
         if args.export_quantize_rules:
             log(write_quantize_rules(args.export_quantize_rules, types))
     split = SplitLimits(parse_size(args.split_max_size) if args.split_max_size is not None else 0,
@@ -77,19 +82,31 @@ def _run(args: argparse.Namespace, log) -> None:
                 output=output, log=log)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.outfile is not None:
+        if args.out is not None and args.out != args.outfile:
+            parser.error(f"two outputs: OUT {args.out} and --outfile {args.outfile}; give one")
+        args.out = args.outfile
     if args.verify and args.out is not None:
         parser.error("--verify takes OUT.gguf MODEL_DIR and no second output")
     if args.out is None and not args.print_tensor_types and not args.verify:
-        parser.error("the output file OUT is required unless --print-tensor-types is given")
+        parser.error("the output file OUT (or --outfile OUT) is required unless --print-tensor-types is given")
     if args.resume and args.overwrite:
         parser.error("--resume keeps verified finished files, --overwrite replaces everything: pick one")
     if args.split_max_tensors < 0:
         parser.error("--split-max-tensors must be a positive number of tensors")
-    log = (lambda _msg: None) if args.quiet else print
-    return run_cli(lambda: _run(args, log), interrupted="interrupted; no output written")
+    return args
+
+
+def _main(argv: list[str] | None) -> None:
+    args = _arguments(argv)
+    _run(args, (lambda _msg: None) if args.quiet else print)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: _main(argv), interrupted="interrupted; no output written")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, Sequence
 
 import ggml
 import numpy as np
@@ -21,27 +21,22 @@ from gguf import Keys
 
 from gguf_arch.arch import keys as K
 from gguf_arch.arch.config import K3Config
-from gguf_arch.errors import KimiError, run_cli
 from gguf_arch.arch.tensors import plan_tensors
+from gguf_arch.errors import run_cli
+from gguf_arch.io.console import ArgumentParser, UsageError, human_size
 
-from .loader import GGUFWeights, config_from_metadata, load_gguf
+from .chat import Conversation, add_chat_arguments, chat_template, parse_template_kwargs, run_interactive
+from .generate import StopRules, Timings, generate, sigint_stops
 from .graph import DSA_PATHS
+from .loader import GGUFWeights, config_from_metadata, load_gguf
 from .model import Model
 from .perplexity import chunk_count, perplexity
-from .sampling import DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams
+from .sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP, DEFAULT_TOP_K,
+                       DEFAULT_TOP_P, Sampler, SamplingParams)
 from .tokenizer import BPETokenizer
 
 DEFAULT_CTX = 4096  # llama-cli's -c default
-
-
-class UsageError(KimiError):
-    """A command-line argument is malformed or inconsistent (exit code 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    # argparse prints the whole usage block before its message; the tools promise one line.
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
+RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,21 +77,31 @@ def _override(spec: str) -> tuple[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kimi-k3-cli", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="kimi-k3-cli", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", type=Path, required=True,
                    help="kimi-k3 GGUF (a split GGUF: its first file, *-00001-of-0000N.gguf)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (special tokens such as [BOS] are parsed)")
     src.add_argument("-f", "--file", type=Path, help="read the prompt (or the perplexity text) from a file")
-    p.add_argument("-n", "--n-predict", type=int, default=-1, help="tokens to generate (-1: until EOS or a full context)")
+    p.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="tokens to generate (in a conversation: per reply; -1: until EOS or a full context)")
     p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX,
                    help=f"context size; the perplexity chunk length with --perplexity (default {DEFAULT_CTX}, 0: the model's)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--temp", type=float, default=DEFAULT_TEMP, help=f"temperature, 0 = greedy (default {DEFAULT_TEMP})")
+    p.add_argument("--temp", type=float, default=DEFAULT_TEMP, help=f"temperature, <= 0 = greedy (default {DEFAULT_TEMP})")
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help=f"top-k sampling, 0 = off (default {DEFAULT_TOP_K})")
     p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"top-p sampling, 1.0 = off (default {DEFAULT_TOP_P})")
     p.add_argument("--min-p", type=float, default=DEFAULT_MIN_P, help=f"min-p sampling, 0.0 = off (default {DEFAULT_MIN_P})")
-    p.add_argument("--seed", type=int, default=-1, help="RNG seed (-1: random)")
+    p.add_argument("--repeat-penalty", type=float, default=DEFAULT_REPEAT_PENALTY,
+                   help=f"penalise repeating the last --repeat-last-n tokens, 1.0 = off (default {DEFAULT_REPEAT_PENALTY})")
+    p.add_argument("--repeat-last-n", type=int, default=DEFAULT_REPEAT_LAST_N,
+                   help=f"tokens the repeat penalty looks back on, 0 = off, -1 = the context size "
+                        f"(default {DEFAULT_REPEAT_LAST_N})")
+    p.add_argument("-s", "--seed", type=int, default=-1,
+                   help=f"RNG seed (-1 or {RANDOM_SEED}: a random one, printed as 'sampler seed: N')")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never sample the end-of-generation token (EOS); go on until -n, a reverse prompt or a full context")
+    add_chat_arguments(p)
     p.add_argument("--override-kv", type=_override, action="append", default=[], metavar="KEY=TYPE:VALUE",
                    help="override a GGUF metadata value, e.g. kimi-k3.attention.indexer.top_k=int:64 (repeatable)")
     p.add_argument("--dsa", choices=("on", "off"), default="on",
@@ -110,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repack", action="store_true",
                    help="copy the routed experts into ggml's repacked MXFP4 layout, as llama.cpp does by default: "
                         "faster MoE matmuls, anonymous memory the size of the experts (fast path only)")
+    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
+                   help="spread the layers over these ggml RPC servers (started with kimi-k3-rpc-server) and "
+                        "this host")
+    p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
+                   help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
+                        "(missing values are 0; default: each one's free memory)")
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
@@ -118,17 +129,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(a: argparse.Namespace) -> None:
     if a.perplexity and a.file is None:
-        raise UsageError("kimi-k3-cli: --perplexity needs -f FILE")
-    if not a.perplexity and a.prompt is None and a.file is None:
-        raise UsageError("kimi-k3-cli: give a prompt with -p TEXT or -f FILE")
+        raise UsageError("--perplexity needs -f FILE")
     for name, value, low in (("-c/--ctx-size", a.ctx_size, 0), ("-t/--threads", a.threads or 1, 1),
-                             ("--temp", a.temp, 0.0), ("--min-p", a.min_p, 0.0)):
+                             ("--min-p", a.min_p, 0.0), ("--repeat-last-n", a.repeat_last_n, -1), ("-s/--seed", a.seed, -1)):
         if value < low:
-            raise UsageError(f"kimi-k3-cli: {name} must be >= {low}, got {value}")
+            raise UsageError(f"{name} must be >= {low}, got {value}")
     if not 0.0 <= a.top_p <= 1.0:
-        raise UsageError(f"kimi-k3-cli: --top-p must be in [0, 1], got {a.top_p}")
+        raise UsageError(f"--top-p must be in [0, 1], got {a.top_p}")
+    if not a.repeat_penalty > 0:
+        raise UsageError(f"--repeat-penalty must be > 0, got {a.repeat_penalty}")
+    if a.seed > RANDOM_SEED:
+        raise UsageError(f"-s/--seed must be at most {RANDOM_SEED} (a 32-bit seed, as llama.cpp's), got {a.seed}")
     if a.repack and a.exact_experts:
-        raise UsageError("kimi-k3-cli: --repack applies to the fast path, not with --exact-experts")
+        raise UsageError("--repack applies to the fast path, not with --exact-experts")
+    if a.tensor_split is not None and a.rpc is None:
+        raise UsageError("--tensor-split needs --rpc")
+    if a.repack and a.rpc is not None:
+        raise UsageError("--repack applies to this host's weights only, not with --rpc")
+
+
+def run_mode(a: argparse.Namespace) -> str:
+    """complete, chat (-cnv), interactive (-i -no-cnv: no template) or perplexity. As in llama-cli,
+    -i and no prompt at all mean a conversation; unlike it, a prompt alone means a completion."""
+    chat_only = [o for o, v in (("-sys", a.system_prompt), ("--chat-template-file", a.chat_template_file),
+                                ("--chat-template-kwargs", a.chat_template_kwargs)) if v is not None]
+    if a.perplexity:
+        if a.conversation or a.interactive:
+            raise UsageError("--perplexity scores a file; it does not run a conversation (-cnv/-i)")
+        return "perplexity"
+    if a.conversation is False and chat_only:
+        raise UsageError(f"{chat_only[0]} applies to a conversation, not with -no-cnv")
+    if a.conversation or chat_only or (a.conversation is None and (a.interactive or (a.prompt is None
+                                                                                     and a.file is None))):
+        return "chat"
+    if a.interactive:
+        return "interactive"
+    if a.prompt is None and a.file is None:
+        raise UsageError("give a prompt with -p TEXT or -f FILE (or -cnv for a conversation)")
+    return "complete"
 
 
 def _read_text(path: Path) -> str:
@@ -140,77 +178,6 @@ def _read_text(path: Path) -> str:
         raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# running
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Timings:
-    load_s: float = 0.0
-    prompt_s: float = 0.0
-    prompt_tokens: int = 0
-    eval_s: float = 0.0
-    eval_runs: int = 0
-    sample_s: float = 0.0
-    samples: int = 0
-
-    def lines(self) -> list[str]:
-        total = self.load_s + self.prompt_s + self.eval_s + self.sample_s
-        sampling = [f"{'sampling time':>17} = {self.sample_s * 1e3:10.2f} ms / {self.samples:5d} runs   "
-                    f"{_rate(self.sample_s, self.samples)}"] if self.samples else []
-        return [
-            f"{'load time':>17} = {self.load_s * 1e3:10.2f} ms",
-            *sampling,
-            f"{'prompt eval time':>17} = {self.prompt_s * 1e3:10.2f} ms / {self.prompt_tokens:5d} tokens "
-            f"{_rate(self.prompt_s, self.prompt_tokens)}",
-            f"{'eval time':>17} = {self.eval_s * 1e3:10.2f} ms / {self.eval_runs:5d} runs   "
-            f"{_rate(self.eval_s, self.eval_runs)}",
-            f"{'total time':>17} = {total * 1e3:10.2f} ms / {self.prompt_tokens + self.eval_runs:5d} tokens",
-        ]
-
-
-def _rate(seconds: float, n: int) -> str:
-    if n == 0 or seconds <= 0:
-        return "(    n/a ms per token,      n/a tokens per second)"
-    return f"({seconds * 1e3 / n:8.2f} ms per token, {n / seconds:8.2f} tokens per second)"
-
-
-def generate(model: Model, tokenizer: BPETokenizer, prompt_ids: Sequence[int], sampler: Sampler, *, n_predict: int,
-             n_ctx: int, out: TextIO, timings: Timings) -> list[int]:
-    """Prefill the prompt, then sample and stream tokens until EOS, n_predict or a full context."""
-    if not prompt_ids:
-        raise UsageError("kimi-k3-cli: the prompt tokenizes to no tokens")
-    if len(prompt_ids) >= n_ctx:
-        raise UsageError(f"kimi-k3-cli: the prompt is {len(prompt_ids)} tokens, the context -c {n_ctx}: "
-                         "raise -c or shorten the prompt")
-    t = time.perf_counter()
-    logits = model.eval(list(prompt_ids))[-1]
-    timings.prompt_s, timings.prompt_tokens = time.perf_counter() - t, len(prompt_ids)
-    decoder = tokenizer.stream_decoder()
-    generated: list[int] = []
-    n_past = len(prompt_ids)
-    while n_predict < 0 or len(generated) < n_predict:
-        t = time.perf_counter()
-        token = sampler(logits)
-        timings.sample_s += time.perf_counter() - t
-        timings.samples += 1
-        if token == tokenizer.eos_id:
-            break
-        generated.append(token)
-        out.write(decoder.push(token))
-        out.flush()
-        if n_past >= n_ctx or len(generated) == n_predict:
-            break
-        t = time.perf_counter()
-        logits = model.eval([token])[-1]
-        timings.eval_s += time.perf_counter() - t
-        timings.eval_runs += 1
-        n_past += 1
-    out.write(decoder.flush())
-    out.flush()
-    return generated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +233,7 @@ def _context_size(requested: int, cfg: K3Config) -> int:
     if requested == 0:
         return cfg.context_length
     if requested > cfg.context_length:
-        raise UsageError(f"kimi-k3-cli: -c {requested} exceeds the model's context length {cfg.context_length}")
+        raise UsageError(f"-c {requested} exceeds the model's context length {cfg.context_length}")
     return requested
 
 
@@ -278,7 +245,8 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
         apply_kv_overrides(weights, tokenizer, dict(args.override_kv))
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
                       dsa=args.dsa == "on", top_k=None, n_threads=args.threads or os.cpu_count() or 1,
-                      dsa_path=args.dsa_path)
+                      dsa_path=args.dsa_path, rpc=args.rpc or (), tensor_split=args.tensor_split,
+                      progress=sys.stderr.isatty())
     except BaseException:
         weights.close()
         raise
@@ -312,11 +280,13 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
         ("path", "exact (F32 activations, F32 caches)" if model.exact else "fast (as llama.cpp: quantized "
                  "activations for quantized weights, F16 latent cache)"),
         ("ggml CPU", f"llamafile sgemm {'on' if ggml.ggml_cpu_has_llamafile() else 'off (slower prompt batches)'}; "
-                     + (f"{len(w.repacked)} expert tensors repacked ({w.repacked_bytes / 2**20:.1f} MiB)"
+                     + (f"{len(w.repacked)} expert tensors repacked ({human_size(w.repacked_bytes)})"
                         if w.repacked else "weights mapped from the file, none repacked")),
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]
-    rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()]
+    if model.devices is not None:
+        rows += model.devices.summary(model.cache, model.executor)
+    rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()] + [("note", n) for n in w.notes]
     return [f"print_info: {k:<16} = {v}" for k, v in rows]
 
 
@@ -330,7 +300,7 @@ def _log(lines: Sequence[str], prefix: str = "") -> None:
 
 
 def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
-                    timings: Timings) -> None:
+                    timings: Timings) -> bool:
     tokens = tokenizer.encode(text)
     n_ctx = model.n_ctx
 
@@ -352,22 +322,61 @@ def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
                    n_chunks=args.chunks, on_chunk=progress)
     print()
     print(r.final_line())
+    return False
 
 
-def _run_generation(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
-                    timings: Timings) -> None:
-    ids = tokenizer.encode(text)
-    sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                     seed=None if args.seed < 0 else args.seed))
+def _sampler(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer) -> Sampler:
+    suppress = frozenset({tokenizer.eos_id}) if args.ignore_eos and tokenizer.eos_id is not None else frozenset()
+    last_n = model.n_ctx if args.repeat_last_n == -1 else args.repeat_last_n
+    return Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                  seed=args.seed, repeat_penalty=args.repeat_penalty, repeat_last_n=last_n,
+                                  suppress=suppress))
+
+
+def _stop_rules(args: argparse.Namespace, tokenizer: BPETokenizer) -> StopRules:
+    eog = frozenset() if args.ignore_eos or tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
+    return StopRules(eog, args.n_predict, tuple(args.reverse_prompt))
+
+
+def _run_completion(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
+                    timings: Timings) -> bool:
     if not args.no_display_prompt:
         sys.stdout.write(text)
-    generate(model, tokenizer, ids, sampler, n_predict=args.n_predict, n_ctx=model.n_ctx, out=sys.stdout,
-             timings=timings)
+    with sigint_stops() as interrupt:
+        reply = generate(model, tokenizer, tokenizer.encode(text), _sampler(args, model, tokenizer),
+                         _stop_rules(args, tokenizer), out=sys.stdout, timings=timings, interrupt=interrupt)
     print()
+    return reply.reason == "interrupted"
+
+
+def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str | None,
+                      timings: Timings) -> bool:
+    template, template_line = None, ""
+    if args.mode == "chat":
+        kwargs = parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+        template, template_line = chat_template(model.weights.metadata, tokenizer, args.chat_template_file,
+                                                kwargs, _read_text)
+    elif text is not None and not args.no_display_prompt:
+        sys.stdout.write(text)
+    conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),
+                                template)
+    run_interactive(conversation, text, args.system_prompt, template_line, timings, _log)
+    return False
+
+
+def _draw_seed(requested: int) -> int:
+    # As llama.cpp: -1 (or LLAMA_DEFAULT_SEED) asks for a random 32-bit seed, printed so that the run
+    # can be repeated with -s.
+    return secrets.randbits(32) if requested in (-1, RANDOM_SEED) else requested
+
+
+_RUNNERS = {"complete": _run_completion, "chat": _run_conversation, "interactive": _run_conversation,
+            "perplexity": _run_perplexity}
 
 
 def run(args: argparse.Namespace) -> None:
     _check_args(args)
+    args.mode = run_mode(args)
     text = _read_text(args.file) if args.file is not None else args.prompt
     timings = Timings()
     t = time.perf_counter()
@@ -375,11 +384,16 @@ def run(args: argparse.Namespace) -> None:
     timings.load_s = time.perf_counter() - t
     try:
         _log(summary(model, tokenizer, dict(args.override_kv)))
-        if args.perplexity:
-            _run_perplexity(args, model, tokenizer, text, timings)
-        else:
-            _run_generation(args, model, tokenizer, text, timings)
+        if args.mode != "perplexity":
+            args.seed = _draw_seed(args.seed)
+            _log([f"sampler seed: {args.seed}"])
+        try:
+            interrupted = _RUNNERS[args.mode](args, model, tokenizer, text, timings)
+        except KeyboardInterrupt:  # Ctrl-C at a conversation's prompt, or during perplexity
+            interrupted = True
         _log(timings.lines(), prefix="kimi_k3_perf: ")
+        if interrupted:  # llama-cli prints the timings, then exits 130
+            raise KeyboardInterrupt
     finally:
         model.close()
 

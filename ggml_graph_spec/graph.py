@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import ctypes
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import ggml
 import numpy as np
 
 from gguf_arch.arch.config import K3Config
 
+from . import taps
+
 # What every builder passes around: a node of the graph (or a weight) as ggml-python's pointer.
 Tensor = ggml.ggml_tensor_p
+
+from .placement import INPUT_SEGMENT
 
 F32 = ggml.GGML_TYPE_F32
 F16 = ggml.GGML_TYPE_F16
@@ -53,12 +57,18 @@ class GraphBuild:
     """One graph under construction.
 
     Builders read ctx/gf/cfg/cache, n_tokens, n_past, n_kv = n_past + n_tokens, exact, dsa_path
-    (one of DSA_PATHS), and kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`, write the
-    persistent caches with `store` / `overwrite`, and keep extra outputs with `record`.
+    (one of DSA_PATHS), and kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`
+    (`constant` for one shared by several builders), write the persistent caches with `store` /
+    `overwrite`, and keep extra outputs with `record`.
+
+    With `segments`, every tensor is also labelled with the segment (a layer index, or
+    placement.INPUT_SEGMENT / OUTPUT_SEGMENT) that was current when it was created
+    (`begin_segment`), so that an executor over several devices can run each segment where its
+    weights and caches are.
     """
 
     def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
-                 top_k: int | None, wants: Iterable[str] = (), dsa_path: str = "masked"):
+                 top_k: int | None, wants: Iterable[str] = (), dsa_path: str = "masked", segments: bool = False):
         self.ctx = ctx
         self.gf = gf
         self.cfg = cfg
@@ -73,8 +83,11 @@ class GraphBuild:
         self.dsa_path = dsa_path
         self._wants = frozenset(wants)
         self.inputs: list[tuple[Any, np.ndarray]] = []
-        self.records: dict[tuple[str, int], Any] = {}
-        self._row_ids: dict[int, Any] = {}  # n -> I32 input 0..n-1 (exact path's weight rows)
+        self.records: dict[tuple[str, int | str], Any] = {}  # (what, layer or weight name) -> tensor
+        self._constants: dict[str, Any] = {}
+        self._segments: dict[int, Hashable] | None = {} if segments else None  # tensor address -> segment
+        self._segment: Hashable = INPUT_SEGMENT
+        self._seen = None  # the last tensor of ctx given a segment
         self.kq_mask = self.input("kq_mask", F32, (self.n_kv, n_tokens), causal_mask(self.n_past, n_tokens))
 
     # ---- inputs and outputs ------------------------------------------------------------------
@@ -89,15 +102,58 @@ class GraphBuild:
         self.inputs.append((t, value))
         return t
 
+    def constant(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
+        """An input made once per graph however many builders ask for it by `name`."""
+        if name not in self._constants:
+            self._constants[name] = self.input(name, ggml_type, ne, value)
+        return self._constants[name]
+
+    # ---- segments ----------------------------------------------------------------------------
+    def begin_segment(self, segment: Hashable) -> None:
+        """Tensors created from now on belong to `segment` (until the next call).
+
+        With segments, every op enters the graph in creation order (here, and wherever a
+        builder expands the graph: `expand`), so that each segment's nodes are contiguous and
+        start with the segment's first op. ggml's scheduler cuts the graph into per-device runs
+        of consecutive nodes, starting a run at its first non-view node; ggml's RPC client sends
+        a run's nodes to its server, and a view of another device's tensor among them fails
+        there. A depth-first expansion from a later node could put such a view first."""
+        if self._segments is not None:
+            self._label(expand=True)
+            self._segment = segment
+
+    def expand(self, t) -> None:
+        """Add t (and what it depends on) to the graph now: side effects such as cache writes
+        take their place in the node order here."""
+        if self._segments is not None:
+            self._label(expand=True)  # everything created so far, t included, in creation order
+        ggml.ggml_build_forward_expand(self.gf, t)
+
+    def segment_of(self, t) -> Hashable | None:
+        """The segment t was created in (None: not made in this graph's context)."""
+        if self._segments is None:
+            return None
+        self._label(expand=False)
+        return self._segments.get(ctypes.addressof(t.contents))
+
+    def _label(self, expand: bool) -> None:
+        # ggml keeps a context's tensors in creation order: label the ones made since the last call.
+        t = ggml.ggml_get_next_tensor(self.ctx, self._seen) if self._seen else ggml.ggml_get_first_tensor(self.ctx)
+        while t:
+            self._segments[ctypes.addressof(t.contents)] = self._segment
+            if expand and t.contents.op != ggml.GGML_OP_NONE:
+                ggml.ggml_build_forward_expand(self.gf, t)
+            self._seen, t = t, ggml.ggml_get_next_tensor(self.ctx, t)
+
     def wants(self, what: str) -> bool:
         return what in self._wants
 
-    def record(self, what: str, layer: int, t) -> None:
+    def record(self, what: str, layer: int | str, t) -> None:
         """Keep `t` as an extra output (kept alive by the allocator, read after compute)."""
         if not ggml.ggml_is_contiguous(t):
             t = ggml.ggml_cont(self.ctx, t)
         ggml.ggml_set_output(t)
-        ggml.ggml_build_forward_expand(self.gf, t)
+        self.expand(t)
         self.records[(what, layer)] = t
 
     # ---- persistent state --------------------------------------------------------------------
@@ -106,7 +162,7 @@ class GraphBuild:
         c = cache_tensor.contents
         row_bytes = c.nb[1]
         dst = ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], self.n_tokens, row_bytes, self.n_past * row_bytes)
-        ggml.ggml_build_forward_expand(self.gf, ggml.ggml_cpy(self.ctx, src, dst))
+        self.expand(ggml.ggml_cpy(self.ctx, src, dst))
         return ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], self.n_kv, row_bytes, 0)
 
     def overwrite(self, state_tensor, src) -> None:
@@ -114,7 +170,7 @@ class GraphBuild:
         dst = ggml.ggml_view_1d(self.ctx, state_tensor, ggml.ggml_nelements(state_tensor), 0)
         src = ggml.ggml_cont(self.ctx, src) if not ggml.ggml_is_contiguous(src) else src
         flat = ggml.ggml_reshape_1d(self.ctx, src, ggml.ggml_nelements(src))
-        ggml.ggml_build_forward_expand(self.gf, ggml.ggml_cpy(self.ctx, flat, dst))
+        self.expand(ggml.ggml_cpy(self.ctx, flat, dst))
 
     # ---- DSA ---------------------------------------------------------------------------------
     def dsa_top_k(self, layer: int) -> int | None:
@@ -133,6 +189,8 @@ class GraphBuild:
         output matrix of the real model included), while every call still pays one pass of
         dequantization over each non-F32 weight it uses.
         """
+        if self.wants(taps.IMATRIX):
+            taps.record_input_sq(self, w, x)
         if not self.exact or w.contents.type == F32:
             return ggml.ggml_mul_mat(self.ctx, w, x)
         n_in, n_rows = w.contents.ne[0], ggml.ggml_nrows(w)
@@ -150,9 +208,8 @@ class GraphBuild:
         """Rows r0 .. r0+n-1 of a 2-D weight as a new F32 tensor [ne0, n]."""
         nb1 = w.contents.nb[1]
         rows = ggml.ggml_view_2d(self.ctx, w, w.contents.ne[0], n, nb1, r0 * nb1)
-        if n not in self._row_ids:
-            self._row_ids[n] = self.input(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32))
-        return ggml.ggml_get_rows(self.ctx, rows, self._row_ids[n])
+        ids = self.constant(f"row_ids_{n}", I32, (n,), np.arange(n, dtype=np.int32))
+        return ggml.ggml_get_rows(self.ctx, rows, ids)
 
     @property
     def qk_latent_eps(self) -> float:
@@ -175,6 +232,8 @@ class Executor:
     and only grows when a graph needs more (a prefill after token-by-token decode, say).
     """
 
+    segments = False  # GraphBuild(segments=...): whether compute needs the tensors' segments
+
     def __init__(self, n_threads: int):
         self.backend = ggml.ggml_backend_cpu_init()
         ggml.ggml_backend_cpu_set_n_threads(self.backend, n_threads)
@@ -193,18 +252,42 @@ class Executor:
 
     def compute(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
         """Allocate g's graph (outputs kept alive), upload its inputs, run it."""
-        for t in outputs:
-            ggml.ggml_set_output(t)
-            ggml.ggml_build_forward_expand(g.gf, t)
-        if not ggml.ggml_gallocr_alloc_graph(self._galloc, g.gf):
-            raise MemoryError("ggml-alloc could not allocate the compute graph")
+        self._expand_outputs(g, outputs)
+        self._allocate(g)
         for t, value in g.inputs:
             if not t.contents.buffer:  # an input no node reads is not allocated
                 continue
             ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
-        status = ggml.ggml_backend_graph_compute(self.backend, g.gf)
+        status = self._run(g)
         if status != ggml.GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+    def plan(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
+        """Plan the memory of g's graph (outputs kept alive) without computing it.
+
+        ggml-alloc reuses its last plan for the next graph when it has as many nodes and leafs
+        and every tensor fits, whatever that graph's outputs are: an output the old plan did not
+        keep would be overwritten before it is read. A graph with outputs beyond the logits
+        (records) is planned first from an identical graph built for the purpose: the
+        scheduler's planning rewrites the graph it is given."""
+        self._expand_outputs(g, outputs)
+        self._plan(g)
+
+    def _expand_outputs(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
+        for t in outputs:
+            ggml.ggml_set_output(t)
+            g.expand(t)
+
+    def _plan(self, g: GraphBuild) -> None:
+        if not ggml.ggml_gallocr_reserve(self._galloc, g.gf):
+            raise MemoryError("ggml-alloc could not allocate the compute graph")
+
+    def _allocate(self, g: GraphBuild) -> None:
+        if not ggml.ggml_gallocr_alloc_graph(self._galloc, g.gf):
+            raise MemoryError("ggml-alloc could not allocate the compute graph")
+
+    def _run(self, g: GraphBuild) -> int:
+        return ggml.ggml_backend_graph_compute(self.backend, g.gf)
 
     @staticmethod
     def read(t) -> np.ndarray:

@@ -27,23 +27,24 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
 from gguf_arch.arch.config import K3Config
-from gguf_arch.arch.keys import config_from_metadata
+from gguf_arch.arch.keys import config_from_metadata, upgrade_legacy_keys
 from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, layer_name, plan_tensors
 from gguf_arch.errors import GGUFError
 from gguf_arch.io.gguf_file import open_gguf
 from gguf_arch.io.split import part_paths
+from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
 from .repack import Repacked, Source, repack_experts
 
 # Types a "source precision" tensor (matrices, embeddings) may have: every type the converter
-# can write (quant_rules: --outtype / --tensor-type) plus the K-quants llama-quantize writes;
-# ggml's CPU matmul and get_rows handle all of them. Contract-F32 tensors are all protected
-# (quant_rules/protected.json), so F32 only; the routed experts are MXFP4 or what
-# --requantize-experts writes.
-SOURCE_TYPES = frozenset(WRITABLE_TYPES) | {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# can write (quant_rules: --outtype / --tensor-type) plus those kimi-k3-quantize has
+# llama-quantize write (quant_rules/llama_types.py); ggml's CPU matmul and get_rows handle all of
+# them. Contract-F32 tensors are all protected (quant_rules/protected.json), so F32 only; the
+# routed experts are MXFP4, what --requantize-experts writes, or a kimi-k3-quantize type.
+SOURCE_TYPES = frozenset(WRITABLE_TYPES) | frozenset(LLAMA_QUANTIZE_TYPES)
 _ALLOWED_TYPES = {OUT_SOURCE: SOURCE_TYPES, OUT_F32: frozenset({Q.F32}),
-                  OUT_MXFP4: frozenset({Q.MXFP4, *EXPERT_TYPES})}
+                  OUT_MXFP4: frozenset({Q.MXFP4, *EXPERT_TYPES, *LLAMA_QUANTIZE_TYPES})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class GGUFWeights:
     _files: list[_MappedFile] = field(repr=False)
     _ctx: Any = field(repr=False)
     _repacked: Repacked | None = field(default=None, repr=False)
+    notes: tuple[str, ...] = ()  # what the runner says about how the file was read
 
     @property
     def reader(self) -> GGUFReader:
@@ -219,7 +221,7 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
     first = open_gguf(path)
     paths = part_paths(path, first)
     readers = [first] + [open_gguf(p) for p in paths[1:]]
-    meta = read_metadata(readers)
+    meta, notes = upgrade_legacy_keys(read_metadata(readers), str(path))
     cfg = config_from_metadata(meta, str(path))
     found: dict[str, tuple[int, Any]] = {}
     for i, (p, r) in enumerate(zip(paths, readers)):
@@ -249,4 +251,4 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
         tensors[p.name] = gt
     if repacked is not None:
         tensors.update(repacked.tensors)
-    return GGUFWeights(path, cfg, meta, tensors, files, ctx, repacked)
+    return GGUFWeights(path, cfg, meta, tensors, files, ctx, repacked, notes)

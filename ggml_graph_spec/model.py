@@ -24,14 +24,17 @@ from gguf_arch.errors import KimiError
 from gguf_arch.arch.tensors import (ATTN_NORM, ATTN_RES_SCORE, FFN_NORM, FFN_RES_SCORE, OUTPUT, OUTPUT_NORM,
                                     OUTPUT_RES_SCORE, TOKEN_EMBD)
 
+from . import taps
 from .blocks.attn_res import ResidualBank, attn_res
 from .blocks.ffn import build_dense_ffn
 from .blocks.kda import build_kda
 from .blocks.mla import build_mla
 from .blocks.moe import build_moe
 from .cache import SequenceCache
+from .devices import Devices
 from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
+from .placement import OUTPUT_SEGMENT
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py (attention kernel 0.41-0.96x of masked on the fast path, 0.07-0.21x
@@ -41,7 +44,7 @@ from .loader import GGUFWeights, load_gguf
 DEFAULT_DSA_PATH = "gather"
 
 
-WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe"})
+WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe", taps.MOE_NORMS, taps.IMATRIX})
 
 
 class EvalError(KimiError):
@@ -58,6 +61,9 @@ class EvalResult:
     index_scores: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, n_kv]
     moe_experts: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], ascending
     moe_weights: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], same order
+    moe_norms: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], same order (taps.py)
+    # weight name -> sum over the call's tokens of its input squared, [n_mat, ne0] (taps.py)
+    imatrix: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
@@ -67,6 +73,7 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
     p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type
     bank = ResidualBank()
     for l in range(cfg.num_layers):
+        g.begin_segment(l)
         w = weights.layer(l)
         x = p if len(bank) == 0 else attn_res(g, p, bank, w(ATTN_RES_SCORE))
         if l % cfg.attn_res_block_size == 0:
@@ -81,6 +88,7 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
         p = ggml.ggml_add(c, p, f)
         if g.wants("hidden"):
             g.record("hidden", l, p)
+    g.begin_segment(OUTPUT_SEGMENT)
     out = attn_res(g, p, bank, t[OUTPUT_RES_SCORE])
     out = g.rms_norm(out, t[OUTPUT_NORM], cfg.rms_norm_eps)
     return g.mm(t[OUTPUT], out)  # [vocab, T]
@@ -103,7 +111,8 @@ _JOIN_FILL = {"index_selected": -1, "index_scores": -np.inf}
 def _join(parts: list[EvalResult]) -> EvalResult:
     """Per-batch results as one: rows concatenated, short rows padded (-1 / -inf)."""
     out = EvalResult(np.concatenate([p.logits for p in parts]))
-    for name in ("hidden", "index_selected", "index_scores", "moe_experts", "moe_weights"):
+    out.imatrix = {name: sum(p.imatrix[name] for p in parts) for name in parts[0].imatrix}
+    for name in ("hidden", "index_selected", "index_scores", "moe_experts", "moe_weights", "moe_norms"):
         for layer in getattr(parts[0], name):
             rows = [getattr(p, name)[layer] for p in parts]
             width = max(r.shape[1] for r in rows)
@@ -126,7 +135,9 @@ class Model:
     """A loaded GGUF plus one sequence's caches. Not thread-safe; one sequence at a time."""
 
     def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
-                 top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str | None = None):
+                 top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str | None = None,
+                 rpc: str | Sequence[str] = (), tensor_split: str | Sequence[float] | None = None,
+                 progress: bool = False):
         if exact and weights.repacked:
             raise EvalError(f"{weights.path}: the exact path dequantizes the experts from the file's layout; "
                             "load the GGUF without repack for it")
@@ -144,15 +155,33 @@ class Model:
         if dsa_path not in DSA_PATHS:
             raise EvalError(f"dsa_path must be one of {', '.join(DSA_PATHS)}, got {dsa_path!r}")
         self.dsa_path = dsa_path
-        self._exec = Executor(n_threads)
-        self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
-                                   with_indexer=dsa and self.cfg.indexer is not None)
         self._graph_size = _graph_size(weights)
+        self.devices = self._connect(rpc, tensor_split, n_threads, progress)
+        try:
+            self._exec = Executor(n_threads) if self.devices is None else self.devices.executor(self._graph_size)
+            self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
+                                       with_indexer=dsa and self.cfg.indexer is not None,
+                                       layer_backends=self.devices and self.devices.layer_backends(self._exec.backend))
+        except BaseException:
+            if self.devices is not None:
+                self.devices.close()
+            raise
+
+    def _connect(self, rpc, tensor_split, n_threads: int, progress: bool) -> Devices | None:
+        """The RPC servers with their layers uploaded (None: everything on the local CPU)."""
+        if not rpc:
+            if tensor_split is not None:
+                raise EvalError("tensor_split places layers over RPC servers; give rpc too")
+            return None
+        if self.weights.repacked:
+            raise EvalError(f"{self.weights.path}: repacked experts stay on this host; load without repack for rpc")
+        return Devices.connect(self.weights, rpc, tensor_split=tensor_split, n_threads=n_threads, progress=progress)
 
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
              top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None,
-             dsa_path: str | None = None, repack: bool = False) -> "Model":
+             dsa_path: str | None = None, repack: bool = False, rpc: str | Sequence[str] = (),
+             tensor_split: str | Sequence[float] | None = None, progress: bool = False) -> "Model":
         """Open and validate a kimi-k3 GGUF.
 
         exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
@@ -165,6 +194,12 @@ class Model:
         over the whole cache with the selection as a mask (same logits to f32 rounding);
         None: DEFAULT_DSA_PATH. repack: the routed experts in ggml's repacked
         layout (faster MoE matmuls, anonymous memory the size of the experts; fast path only).
+        rpc: ggml RPC servers ("host:port", started with kimi-k3-rpc-server) to spread the layers
+        over, with the local CPU last; tensor_split: one proportion per server then the CPU
+        (default: their free memory), see devices.py. A server unreachable at load is an RpcError;
+        one lost between calls is an RpcError from the next call; one lost during a call ends the
+        process with one line and exit code 1 (ggml's RPC client aborts otherwise; rpc.py).
+        progress: a progress bar on stderr while the servers' weights are uploaded.
         """
         if repack and exact_experts:
             raise EvalError("repack applies to the fast path; the exact path reads the experts from the file")
@@ -175,8 +210,8 @@ class Model:
         try:
             return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
                        n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads, n_batch=n_batch,
-                       dsa_path=dsa_path)
-        except EvalError:
+                       dsa_path=dsa_path, rpc=rpc, tensor_split=tensor_split, progress=progress)
+        except BaseException:
             weights.close()
             raise
 
@@ -205,8 +240,15 @@ class Model:
     def n_ctx(self) -> int:
         return self.cache.n_ctx
 
+    @property
+    def executor(self) -> Executor:
+        """What runs the graphs: the CPU executor, or ggml's scheduler over the RPC devices."""
+        return self._exec
+
     # ---- running -----------------------------------------------------------------------------
     def reset(self) -> None:
+        if self.devices is not None:
+            self.devices.check("before a reset")
         self.cache.reset()
 
     def eval(self, tokens: Sequence[int]) -> np.ndarray:
@@ -214,12 +256,14 @@ class Model:
         return self.run(tokens).logits
 
     def run(self, tokens: Sequence[int], want: Iterable[str] = ()) -> EvalResult:
-        """Like eval, with extra outputs: any of "hidden", "index_selected", "index_scores", "moe".
+        """Like eval, with extra outputs: any of WANTS ("moe_norms" and "imatrix": taps.py).
 
         With n_batch set, the tokens go through the graph n_batch at a time (the caches make
         that the same computation); the results are joined as if computed in one call.
         """
         want = frozenset(want)
+        if taps.MOE_NORMS in want:  # reported in the order of moe_experts, which sorts them
+            want |= {"moe"}
         ids = self._check_tokens(tokens, want)
         step = self.n_batch or len(ids)
         parts = [self._run_batch(ids[i:i + step], want) for i in range(0, len(ids), step)]
@@ -227,8 +271,12 @@ class Model:
 
     def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
-                       top_k=self.top_k, wants=want, dsa_path=self.dsa_path)
-        with self._exec.graph(self._graph_size, make) as g:
+                       top_k=self.top_k, wants=want, dsa_path=self.dsa_path, segments=self._exec.segments)
+        size = self._graph_size + (taps.NODES_PER_LAYER * self.cfg.num_layers if want & taps.WANTS else 0)
+        if want:  # extra outputs: a fresh memory plan (Executor.plan says why)
+            with self._exec.graph(size, make) as g:
+                self._exec.plan(g, [build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))])
+        with self._exec.graph(size, make) as g:
             logits = build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))
             self._exec.compute(g, [logits])
             result = self._collect(g, logits)
@@ -263,14 +311,24 @@ class Model:
                 r.moe_experts[layer] = a
             elif what == "moe_weights":
                 r.moe_weights[layer] = a.reshape(g.n_tokens, -1)
+            elif what == taps.MOE_NORMS:
+                r.moe_norms[layer] = a
+            elif what == taps.IMATRIX:
+                r.imatrix[layer] = a
         for layer, experts in r.moe_experts.items():  # report in ascending expert id, as the fixture
             order = np.argsort(experts, axis=1, kind="stable")
             r.moe_experts[layer] = np.take_along_axis(experts, order, 1)
             r.moe_weights[layer] = np.take_along_axis(r.moe_weights[layer], order, 1)
+            if layer in r.moe_norms:
+                r.moe_norms[layer] = np.take_along_axis(r.moe_norms[layer], order, 1)
         return r
 
     def close(self) -> None:
-        """Free the graph allocator, the caches and the weights' ggml objects."""
-        self.cache.free()
-        self._exec.free()
+        """Free the graph allocator, the caches and the weights' ggml objects. With a lost RPC
+        server, what lives on the servers is left as it is: ggml would abort on freeing it."""
+        if self.devices is None or self.devices.alive():
+            self.cache.free()
+            self._exec.free()
+            if self.devices is not None:
+                self.devices.close()
         self.weights.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 import ggml
 
+from gguf_arch.io.console import human_size
 from gguf_arch.errors import GGUFError
 
 _last_log_level = ggml.GGML_LOG_LEVEL_INFO
@@ -97,7 +98,7 @@ def _alloc_in(buft: int, sources: list[Source], where: str) -> tuple[Any, Any, d
     if not buffer:
         ggml.ggml_free(ctx)
         need = sum(s.nbytes for s in sources)
-        raise GGUFError(f"{where}: cannot allocate {need / 2**30:.1f} GiB for the repacked experts; "
+        raise GGUFError(f"{where}: cannot allocate {human_size(need)} for the repacked experts; "
                         "load without repack (the experts are then read from the mapped file)")
     return ctx, buffer, tensors
 

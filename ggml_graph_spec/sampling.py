@@ -1,12 +1,17 @@
-"""Token sampling from one row of logits: temperature, top-k, top-p, min-p, seeded RNG.
+"""Token sampling from one row of logits: repeat penalty, temperature, top-k, top-p, min-p,
+seeded RNG.
 
-The filters run in llama.cpp's default sampler order (top-k, top-p, min-p on the untempered
-distribution, then temperature, then a draw), with llama-cli's defaults and its meaning of
-"off" for each one, so that the same flags mean the same thing in both runners.
+The filters run in llama.cpp's default sampler order (the repeat penalty over the last
+repeat_last_n accepted tokens, then top-k, top-p, min-p on the untempered distribution, then
+temperature, then a draw; a temperature <= 0 takes the best token after the penalty), with
+llama-cli's defaults and its meaning of "off" for each one, so that the same flags mean the same
+thing in both runners. Suppressed tokens (--ignore-eos: the EOS) are never drawn.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -15,6 +20,8 @@ DEFAULT_TEMP = 0.8
 DEFAULT_TOP_K = 40
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
+DEFAULT_REPEAT_PENALTY = 1.0  # off
+DEFAULT_REPEAT_LAST_N = 64
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,9 @@ class SamplingParams:
     top_p: float = DEFAULT_TOP_P  # >= 1: off
     min_p: float = DEFAULT_MIN_P  # <= 0: off
     seed: int | None = None  # None: a fresh seed from the OS
+    repeat_penalty: float = DEFAULT_REPEAT_PENALTY  # 1.0: off
+    repeat_last_n: int = DEFAULT_REPEAT_LAST_N  # 0: off; the window of accepted tokens penalised
+    suppress: frozenset[int] = frozenset()  # token ids never sampled
 
     @property
     def greedy(self) -> bool:
@@ -70,15 +80,40 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(keep, logits, -np.inf).astype(logits.dtype)
 
 
+def repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
+    """llama.cpp's repetition penalty: each distinct recent token's logit divided by `penalty` when
+    positive, multiplied by it otherwise (so it always moves towards less likely)."""
+    if penalty == 1.0 or not recent:
+        return logits
+    ids = np.unique(np.asarray(recent, dtype=np.int64))
+    out = logits.copy()
+    hit = out[ids]
+    out[ids] = np.where(hit > 0, hit / np.float32(penalty), hit * np.float32(penalty))
+    return out
+
+
 class Sampler:
-    """Draws token ids from logits rows; one RNG per sampler, so a seed fixes the whole run."""
+    """Draws token ids from logits rows; one RNG per sampler, so a seed fixes the whole run. The
+    tokens it is told about (`accept`: the prompt's and its own) feed the repeat penalty."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
+        self._recent: deque[int] = deque(maxlen=max(params.repeat_last_n, 0))
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self._recent.extend(tokens)
+
+    def reset(self) -> None:
+        """Forget the accepted tokens (a new turn), as llama-cli does; the RNG goes on."""
+        self._recent.clear()
 
     def __call__(self, logits: np.ndarray) -> int:
         logits = np.asarray(logits, dtype=np.float32).reshape(-1)
+        if self.params.suppress:
+            logits = logits.copy()
+            logits[list(self.params.suppress)] = -np.inf
+        logits = repeat_penalty(logits, self._recent, self.params.repeat_penalty)
         if self.params.greedy:
             return int(np.argmax(logits))
         logits = top_k_filter(logits, self.params.top_k)

@@ -65,6 +65,7 @@ class BPETokenizer:
         # Two separate lookups, so a special token never stands in for text spelled the same way.
         self._id_of = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k in _BYTE_FORM_TYPES}
         self._special_id = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k in _TEXT_TYPES}
+        self._special_ids = frozenset(self._special_id.values())
         self._pair_rank = _pair_ranks(merges, self._id_of)
         self._no_merge = len(merges)  # above every merge rank
         longest_first = sorted(self._special_id, key=len, reverse=True)
@@ -111,6 +112,13 @@ class BPETokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the special (control or user-defined) token spelled `text`, if there is one."""
+        return self._special_id.get(text)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
 
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)

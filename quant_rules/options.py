@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
 from gguf_arch.errors import OutputError
+from gguf_arch.io.console import human_size
 
 from .rules import (EXPERT_TYPES, OUTTYPES, WRITABLE_TYPES, QuantOptions, QuantRuleError,
                     Resolution, TensorTypeRule, parse_tensor_type, parse_type, type_name)
@@ -45,7 +46,7 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
                         "at their types in this GGUF")
 
 
-def read_tensor_type_file(path: Path) -> list[TensorTypeRule]:
+def read_tensor_type_file(path: Path, allowed: Sequence[Q] = WRITABLE_TYPES) -> list[TensorTypeRule]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -53,7 +54,7 @@ def read_tensor_type_file(path: Path) -> list[TensorTypeRule]:
     rules = []
     for number, line in enumerate(text.splitlines(), 1):
         for word in line.split("#", 1)[0].split():
-            rules.append(parse_tensor_type(word, f"{path}:{number}"))
+            rules.append(parse_tensor_type(word, f"{path}:{number}", allowed))
     return rules
 
 
@@ -123,8 +124,8 @@ def format_tensor_types(resolution: Resolution) -> list[str]:
     for d in ds:
         count[d.final_type] += 1
         size[d.final_type] += d.nbytes
-    totals = ", ".join(f"{type_name(t)} {count[t]} ({size[t] / 2**30:.2f} GiB)" for t in count)
-    lines.append(f"{len(ds)} tensors, {sum(size.values()) / 2**30:.2f} GiB: {totals}")
+    totals = ", ".join(f"{type_name(t)} {count[t]} ({human_size(size[t])})" for t in count)
+    lines.append(f"{len(ds)} tensors, {human_size(sum(size.values()))}: {totals}")
     return lines
 
 

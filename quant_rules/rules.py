@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 from importlib import resources
@@ -34,6 +35,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
 from gguf_arch.arch.tensors import LAYER
+from gguf_arch.io.console import summarised
 from gguf_arch.io.gguf_writer import tensor_nbytes
 from gguf_arch.errors import KimiError
 
@@ -115,8 +117,10 @@ class TensorTypeRule:
         return re.search(self.pattern, tensor) is not None
 
 
-def parse_tensor_type(text: str, origin: str = "--tensor-type") -> TensorTypeRule:
-    """`PATTERN=TYPE`, split at the first '=' as llama-quantize's parse_tensor_type does."""
+def parse_tensor_type(text: str, origin: str = "--tensor-type",
+                      allowed: Sequence[Q] = WRITABLE_TYPES) -> TensorTypeRule:
+    """`PATTERN=TYPE`, split at the first '=' as llama-quantize's parse_tensor_type does; TYPE one
+    of `allowed` (the converter's: what gguf-py writes exactly)."""
     pattern, sep, type_text = text.partition("=")
     if not sep:
         raise QuantRuleError(f"{origin}: malformed rule {text!r} (expected PATTERN=TYPE)")
@@ -129,7 +133,7 @@ def parse_tensor_type(text: str, origin: str = "--tensor-type") -> TensorTypeRul
         re.compile(pattern)
     except re.error as exc:
         raise QuantRuleError(f"{origin}: pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    return TensorTypeRule(pattern, parse_type(type_text, WRITABLE_TYPES, origin), origin)
+    return TensorTypeRule(pattern, parse_type(type_text, allowed, origin), origin)
 
 
 @dataclass(frozen=True)
@@ -212,33 +216,38 @@ def _decide(t: TypedTensor, opts: QuantOptions, prot: ProtectedSet) -> Decision:
 
 _LAYER = re.compile("^" + re.escape(LAYER).replace(re.escape("{l}"), r"\d+"))
 _ANY_LAYER = LAYER.format(l="*")
+_NOTE_WIDTH = 100  # columns of a log note
 
 
-def _templates(names: Iterable[str]) -> str:
-    """blk.3.x, blk.7.x -> 'blk.*.x (2 layers)': which tensors, compactly."""
+def _templates(names: Iterable[str]) -> list[str]:
+    """blk.3.x, blk.7.x -> ['blk.*.x (2 layers)']: which tensors, compactly."""
     counts: dict[str, int] = defaultdict(int)
     for n in names:
         counts[_LAYER.sub(_ANY_LAYER, n)] += 1
-    return ", ".join(f"{k} ({v} layers)" if k.startswith(_ANY_LAYER) else k for k, v in counts.items())
+    return [f"{k} ({v} layers)" if k.startswith(_ANY_LAYER) else k for k, v in counts.items()]
+
+
+def _refusal_note(option: str, ds: list[Decision]) -> str:
+    """A header line, then per protected rule its tensors (at most 3 named) and its reason, wrapped."""
+    groups: dict[ProtectedRule, list[Decision]] = defaultdict(list)
+    for d in ds:
+        groups[d.protected_by].append(d)
+    lines = [f"{option}: left {len(ds)} protected tensor(s) alone:"]
+    for rule, members in groups.items():
+        kept = "/".join(sorted({type_name(d.final_type) for d in members}))
+        lines += textwrap.wrap(f"{rule.name}, kept at {kept}: {summarised(_templates(d.name for d in members))}",
+                               _NOTE_WIDTH, initial_indent="  ", subsequent_indent="      ")
+        lines += textwrap.wrap(f"why: {rule.reason}", _NOTE_WIDTH, initial_indent="    ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def refusal_log(decisions: Iterable[Decision]) -> list[str]:
-    """One line per user option that would have changed protected tensors: which, and why not."""
+    """One note per user option that would have changed protected tensors: which, and why not."""
     by_option: dict[str, list[Decision]] = defaultdict(list)
     for d in decisions:
         if d.refused is not None:
             by_option[d.refused].append(d)
-    lines = []
-    for option, ds in by_option.items():
-        groups: dict[ProtectedRule, list[Decision]] = defaultdict(list)
-        for d in ds:
-            groups[d.protected_by].append(d)
-        parts = []
-        for rule, members in groups.items():
-            kept = "/".join(sorted({type_name(d.final_type) for d in members}))
-            parts.append(f"{_templates(d.name for d in members)} kept at {kept}: {rule.reason}")
-        lines.append(f"{option}: left {len(ds)} protected tensor(s) alone: " + "; ".join(parts))
-    return lines
+    return [_refusal_note(option, ds) for option, ds in by_option.items()]
 
 
 def fallback_log(decisions: Iterable[Decision]) -> list[str]:

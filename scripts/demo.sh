@@ -23,7 +23,7 @@ from collections import Counter
 
 from gguf import GGUFReader
 
-from gguf_arch.arch.keys import ARCH
+from gguf_arch.arch.keys import ARCH, INDEXER_TYPES
 
 reader = GGUFReader(sys.argv[1])
 arch = reader.fields["general.architecture"].contents()
@@ -31,7 +31,10 @@ types = Counter(t.tensor_type.name for t in reader.tensors)
 print(f"architecture: {arch}")
 print(f"tensors: {len(reader.tensors)} ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})")
 for name, field in reader.fields.items():
-    if name.startswith(f"{ARCH}.attention.indexer."):
+    if name == INDEXER_TYPES:  # a bool per layer: shown as the layers it marks
+        marked = [layer for layer, dsa in enumerate(field.contents()) if dsa]
+        print(f"{name} = arr[bool, {len(field.contents())}], true on layers {marked}")
+    elif name.startswith(f"{ARCH}.attention.indexer."):
         print(f"{name} = {field.contents()}")
 indexer = [t for t in reader.tensors if ".indexer." in t.name]
 kinds = sorted({(t.name.split(".", 2)[2], t.tensor_type.name) for t in indexer})

@@ -42,5 +42,8 @@ if [ ! -f "$STAMP" ]; then
     touch "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
+# llama.cpp's own tools (llama-cli, llama-perplexity, llama-imatrix, llama-quantize, ...) from the
+# pinned llama-cpp-python sdist, built once per machine into a cache; exports KIMI_K3_LLAMA_BIN.
+source "$ROOT/scripts/build_llama_tools.sh"
 # tests/test_demo.py runs demo.sh only when this setup is current (its setup step is then a no-op).
 export KIMI_K3_VENV_STAMP="$STAMP"

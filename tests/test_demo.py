@@ -26,6 +26,6 @@ def test_demo_generates_converts_and_inspects_idempotently(tmp_path):
         assert run.returncode == 0, run.stderr
     out = runs[1].stdout
     assert "architecture: kimi-k3" in out and "tensors: 369 " in out
-    assert "kimi-k3.attention.indexer.layers = [3, 7, 11, 12]" in out
+    assert "kimi-k3.attention.indexer.types = arr[bool, 13], true on layers [3, 7, 11, 12]" in out
     assert "indexer.proj.weight F32" in out and "indexer.k_norm.weight F32" in out
     assert (tmp_path / "tiny.gguf").stat().st_size > 0

@@ -11,11 +11,30 @@ import numpy as np
 
 from gguf_arch.arch.tensors import (EXP_PROBS_B, FFN_DOWN_EXPS, FFN_DOWN_SHEXP, FFN_GATE_EXPS, FFN_GATE_INP,
                                     FFN_GATE_SHEXP, FFN_ROUTED_DOWN, FFN_ROUTED_NORM, FFN_ROUTED_UP,
-                                    FFN_UP_EXPS, FFN_UP_SHEXP)
+                                    FFN_UP_EXPS, FFN_UP_SHEXP, layer_name)
 
+from .. import taps
 from ..graph import I32, GraphBuild, Tensor
 from ..loader import LayerWeights
 from .ffn import situ, situ_mlp
+
+
+def _router_logits(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
+    """ffn_gate_inp x, [E, T].
+
+    The exact path multiplies the other way round, (x^T W)^T: ggml picks its F32 kernel by the
+    first operand's row count (llamafile's sgemm takes multiples of 4, other counts go to
+    ggml's dot products), so with the weight first a score could move by an ulp when pruning
+    changes the expert count; with x first each score is the same dot product for any count of
+    2 or more, and pruning experts no token selects leaves the exact path's logits bit for bit.
+    The fast path keeps llama.cpp's order.
+    """
+    c, gate = g.ctx, w(FFN_GATE_INP)
+    if not g.exact:
+        return g.mm(gate, x)
+    if g.wants(taps.IMATRIX):
+        taps.record_input_sq(g, gate, x)
+    return ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul_mat(c, x, gate)))
 
 
 def _route(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -25,7 +44,7 @@ def _route(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
     """
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     E, k = cfg.num_experts, cfg.num_experts_used
-    probs = ggml.ggml_sigmoid(c, g.mm(w(FFN_GATE_INP), x))  # [E, T]
+    probs = ggml.ggml_sigmoid(c, _router_logits(g, w, x))  # [E, T]
     ids = ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w(EXP_PROBS_B)), k))
     weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, E, T), ids)  # [1, k, T]
     if cfg.moe_renormalize:
@@ -60,6 +79,7 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
     """
     c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
     names = (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)
+    routed_ids = ids
     if g.exact:
         gate_b, up_b, down_b = (_dequantized_experts(g, w(n), ids) for n in names)
         ids = g.input("expert_slots", I32, (k, T), np.arange(k * T, dtype=np.int32).reshape(T, k))
@@ -68,7 +88,11 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
     z3 = ggml.ggml_reshape_3d(c, z, z.contents.ne[0], 1, T)
     gate = ggml.ggml_mul_mat_id(c, gate_b, z3, ids)  # [I, k, T]
     up = ggml.ggml_mul_mat_id(c, up_b, z3, ids)
-    return ggml.ggml_mul_mat_id(c, down_b, situ(g, gate, up), ids)  # [L, k, T]
+    hidden = situ(g, gate, up)
+    if g.wants(taps.IMATRIX):
+        for name, x in zip(names, (z3, z3, hidden)):
+            taps.record_expert_input_sq(g, layer_name(name, w.layer), x, routed_ids, g.cfg.num_experts)
+    return ggml.ggml_mul_mat_id(c, down_b, hidden, ids)  # [L, k, T]
 
 
 def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
@@ -76,7 +100,10 @@ def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     ids, weights = _route(g, w, x)
     z = g.mm(w(FFN_ROUTED_DOWN), x)  # [L, T]
-    per_expert = ggml.ggml_mul(c, _routed_experts(g, w, z, ids), weights)  # [L, k, T]
+    outputs = _routed_experts(g, w, z, ids)  # [L, k, T]
+    if g.wants(taps.MOE_NORMS):
+        taps.record_slot_norms(g, w.layer, outputs)
+    per_expert = ggml.ggml_mul(c, outputs, weights)
     L, nb1, nb2 = cfg.latent_size, per_expert.contents.nb[1], per_expert.contents.nb[2]
     u = None
     for j in range(cfg.num_experts_used):

@@ -78,10 +78,17 @@ def _layer_kinds(kv_heads: Any, so_far: Mapping[str, Any]) -> Mapping[str, Any]:
             "mla_layers": tuple(l for l, h in enumerate(kv_heads) if h == 1)}
 
 
-def _layer_list(layers: Any, _so_far: Mapping[str, Any]) -> Mapping[str, Any]:
-    if not isinstance(layers, list) or not all(_is_type(T.UINT32, l) for l in layers):
-        raise ValueError(f"must be an array of layer ids, got {layers!r}")
-    return {"indexer.layers": tuple(layers)}
+def indexer_types(num_layers: int, dsa_layers: tuple[int, ...]) -> list[bool]:
+    """kimi-k3.attention.indexer.types: true exactly on the DSA layers."""
+    return [layer in dsa_layers for layer in range(num_layers)]
+
+
+def _dsa_layers(types: Any, so_far: Mapping[str, Any]) -> Mapping[str, Any]:
+    n_layers = so_far["num_layers"]
+    if not isinstance(types, list) or len(types) != n_layers or not all(_is_type(T.BOOL, t) for t in types):
+        raise ValueError(f"must be an array of {n_layers} bools (one per layer, true on the DSA layers), "
+                         f"got {str(types)[:200]}")
+    return {"indexer.layers": tuple(l for l, dsa in enumerate(types) if dsa)}
 
 
 ARCH_KEYS: tuple[Key, ...] = (
@@ -126,11 +133,23 @@ DSA_KEYS: tuple[Key, ...] = (
     Key("attention.indexer.head_count", T.UINT32, "indexer.n_heads"),
     Key("attention.indexer.key_length", T.UINT32, "indexer.head_dim"),
     Key("attention.indexer.top_k", T.UINT32, "indexer.top_k"),
-    Key("attention.indexer.layers", T.ARRAY, "indexer.layers", sub_type=T.UINT32, read=_layer_list,
-        holds=("indexer.layers",)),
+    # llama.cpp's convention for per-layer indexer presence (its glm-dsa, glm5-next, hy-v4, dots3note
+    # loaders read {arch}.attention.indexer.types with get_key_or_arr): a bool per layer. gguf 0.19.0
+    # has no add_indexer_types; the writer's generic add_key_value writes it from this row.
+    Key("attention.indexer.types", T.ARRAY, derive=lambda c: indexer_types(c.num_layers, c.indexer.layers),
+        sub_type=T.BOOL, read=_dsa_layers, holds=("indexer.layers",)),
 )
 INDEXER_KEYS = tuple(k.full_name for k in DSA_KEYS)
-INDEXER_HEAD_COUNT, INDEXER_KEY_LENGTH, INDEXER_TOP_K, INDEXER_LAYERS = INDEXER_KEYS
+INDEXER_HEAD_COUNT, INDEXER_KEY_LENGTH, INDEXER_TOP_K, INDEXER_TYPES = INDEXER_KEYS
+# The first key this project wrote for the DSA layers (0-based ids, arr[u32]); replaced by
+# INDEXER_TYPES (contract section 5, revision 2026-12). Readers still accept a GGUF with only it.
+LEGACY_INDEXER_LAYERS = f"{ARCH}.attention.indexer.layers"
+
+# A GGUF made by kimi-k3-prune (arch/pruned.py): the checkpoint's expert count, and for every MoE
+# layer in layer order the original ids of its expert_count kept experts (one flat array).
+PRUNED_EXPERT_COUNT = f"{ARCH}.pruned.original_expert_count"
+PRUNED_KEPT_EXPERTS = f"{ARCH}.pruned.kept_experts"
+EXPERT_COUNT = next(k.full_name for k in ARCH_KEYS if k.field == "num_experts")  # what a pruned file holds
 
 # Fields no key stores, because llama.cpp's kimi-k3 graph hard-wires them; the loader's tensor
 # check rejects a file whose layout disagrees.
@@ -145,6 +164,15 @@ def model_keys(cfg: K3Config) -> list[tuple[str, Any, T, T | None]]:
     """(full key, value, type, array element type) for every architecture key of this config."""
     keys = ARCH_KEYS + (DSA_KEYS if cfg.indexer is not None else ())
     return [(k.full_name, k.value(cfg), k.vtype, k.sub_type) for k in keys]
+
+
+def dsa_key_lines(cfg: K3Config) -> list[str]:
+    """The DSA keys as the dry run and --print-tensor-types show them (the bool array as the layers it
+    marks: 93 booleans do not read)."""
+    if cfg.indexer is None:
+        return [f"no DSA keys ({ARCH}.attention.indexer.*): a plain {ARCH} GGUF"]
+    lines = [f"{k.full_name} = {k.value(cfg)}" for k in DSA_KEYS if k.vtype != T.ARRAY]
+    return lines + [f"{INDEXER_TYPES} = arr[bool, {cfg.num_layers}], true on layers {list(cfg.indexer.layers)}"]
 
 
 # ---- the reader's side -----------------------------------------------------------------------
@@ -220,7 +248,7 @@ def _check(cfg: K3Config, meta: Mapping[str, Any], where: str) -> None:
             raise GGUFError(f"{where}: metadata {key} is {got!r}, expected {want!r} "
                             "(inconsistent with the other kimi-k3 keys)")
     if cfg.indexer is not None and set(cfg.indexer.layers) != set(cfg.mla_layers):
-        raise GGUFError(f"{where}: {INDEXER_LAYERS} {list(cfg.indexer.layers)} must equal the MLA "
+        raise GGUFError(f"{where}: {INDEXER_TYPES} marks layers {list(cfg.indexer.layers)}; they must be the MLA "
                         f"layers {list(cfg.mla_layers)} (head_count_kv == 1)")
     key_of = {field: k.full_name for k in ARCH_KEYS + DSA_KEYS for field in k.fields_held}
     for field, problem in range_problems(cfg):
@@ -241,7 +269,25 @@ def config_from_metadata(meta: Mapping[str, Any], where: str) -> K3Config:
     arch = meta.get("general.architecture")
     if arch != ARCH:
         raise GGUFError(f"{where}: general.architecture is {arch!r}, expected {ARCH!r}")
+    meta, _notes = upgrade_legacy_keys(meta, where)
     keys = ARCH_KEYS + (DSA_KEYS if _dsa_present(meta, where) else ())
     cfg = _build(_read_fields(meta, keys, where))
     _check(cfg, meta, where)
     return cfg
+
+
+def upgrade_legacy_keys(meta: Mapping[str, Any], where: str) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+    """A GGUF converted before kimi-k3.attention.indexer.types records its DSA layers as ids in
+    kimi-k3.attention.indexer.layers: the metadata with that read as the bool array, and a note
+    saying so (none for a current file)."""
+    if LEGACY_INDEXER_LAYERS not in meta or INDEXER_TYPES in meta:
+        return meta, ()
+    layers, n = meta[LEGACY_INDEXER_LAYERS], meta.get(next(k.full_name for k in ARCH_KEYS if k.field == "num_layers"))
+    if not (_is_type(T.UINT32, n) and isinstance(layers, list)
+            and all(_is_type(T.UINT32, l) and 0 <= l < n for l in layers)):
+        raise GGUFError(f"{where}: {LEGACY_INDEXER_LAYERS} must be 0-based layer ids below "
+                        f"{ARCH}.block_count ({n!r}), got {str(layers)[:200]}")
+    upgraded = {k: v for k, v in meta.items() if k != LEGACY_INDEXER_LAYERS}
+    upgraded[INDEXER_TYPES] = indexer_types(n, tuple(layers))
+    return upgraded, (f"DSA layers read from {LEGACY_INDEXER_LAYERS}, the key of GGUFs converted before "
+                      f"{INDEXER_TYPES} (llama.cpp's); reconvert to write it",)

@@ -73,6 +73,17 @@ def layer_name(template: str, layer: int) -> str:
     return template.format(l=layer)
 
 
+_LAYER_PREFIX = LAYER.split("{l}")[0]  # "blk."
+
+
+def gguf_layer(name: str) -> int | None:
+    """The layer a GGUF tensor name belongs to, None for a global."""
+    if not name.startswith(_LAYER_PREFIX):
+        return None
+    head = name[len(_LAYER_PREFIX):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 TEXT_PREFIX = "language_model."
 # Tensors a text converter deliberately leaves out: the vision tower and its projector.
 SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -223,6 +234,13 @@ TABLE: tuple[TensorSpec, ...] = (
     _experts(FFN_UP_EXPS, "w3", lambda c: c.moe_intermediate_size, lambda c: c.latent_size),
     _experts(FFN_DOWN_EXPS, "w2", lambda c: c.latent_size, lambda c: c.moe_intermediate_size),
 )
+
+
+# The routed experts (stacked [n_expert, rows, cols]), and with the router's rows and bias every
+# tensor whose first axis (numpy order; the outermost ggml one) is the routed expert: what expert
+# pruning slices (ggml_graph_spec/prune.py), each expert one contiguous run of bytes.
+ROUTED_EXPERTS = (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)
+PER_EXPERT = (FFN_GATE_INP, EXP_PROBS_B, *ROUTED_EXPERTS)
 
 
 def layer_groups(cfg: K3Config, layer: int) -> tuple[str, ...]:

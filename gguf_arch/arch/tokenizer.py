@@ -17,6 +17,7 @@ from typing import Any
 from gguf import GGUFValueType as T
 from gguf import Keys, TokenType
 
+from .chat_template import gguf_chat_template
 from .config import K3Config
 from ..errors import TokenizerError
 from ..io.jsonfile import read_json, read_text
@@ -279,4 +280,5 @@ def tokenizer_metadata(model_dir: Path, cfg: K3Config) -> list[tuple[str, Any, T
         *[(id_keys[name], ids[name], T.UINT32, None) for name in _SPECIAL_NAMES if name in ids],
         (Keys.Tokenizer.ADD_BOS, specials.add_bos, T.BOOL, None),
         (Keys.Tokenizer.ADD_EOS, specials.add_eos, T.BOOL, None),
+        (Keys.Tokenizer.CHAT_TEMPLATE, gguf_chat_template(model_dir, model_dir / TOKENIZER_CONFIG_FILE), T.STRING, None),
     ]

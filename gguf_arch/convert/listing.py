@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Iterable, NamedTuple
 
 from ..arch.config import K3Config, parse_config, read_config_json, text_section
-from ..arch.keys import ARCH
+from ..arch.keys import ARCH, dsa_key_lines
 from ..arch.tensors import plan_tensors
 from ..arch.tokenizer import TIKTOKEN_FILE
 from ..errors import ConfigError
+from ..io.console import human_size
 from ..io.gguf_writer import GGUFLayout, padded
 from ..io.safetensors import TensorMeta, open_checkpoint, read_weight_map
 from ..io.split import SplitLimits
@@ -83,7 +84,7 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
                   split: SplitLimits = SplitLimits()) -> tuple[list[OutputFile], list[str]]:
     """(the files a conversion would write, notes on how the plan was made)."""
     types, source, cfg = listing_resolution(model_dir, quant, dsa=dsa)
-    notes = [source, *types.log]
+    notes = [source, *dsa_key_lines(cfg), *types.log]
     has_tokenizer = (model_dir / TIKTOKEN_FILE).is_file()
     kv = tuple(gguf_metadata(cfg, model_dir)) if has_tokenizer else ()
     layout = GGUFLayout(ARCH, kv, final_outputs(types))
@@ -97,12 +98,12 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
 
 def plan_lines(files: list[OutputFile], notes: list[str]) -> list[str]:
     """The printed plan: one line per tensor, one per file, one total."""
-    lines = [f"dry run: nothing written; {n}" for n in notes]
+    lines = ["dry run: nothing written", *notes]
     width = max((len(t.name) for f in files for t in f.layout.tensors), default=4)
     for f in files:
-        lines.append(f"file {f.path}: {len(f.layout.tensors)} tensors, {f.size} bytes ({f.size / 2**30:.2f} GiB)")
+        lines.append(f"file {f.path}: {len(f.layout.tensors)} tensors, {f.size} bytes ({human_size(f.size)})")
         lines.extend(f"  {t.name:<{width}}  {type_name(t.ggml_type):<6}  {t.nbytes}" for t in f.layout.tensors)
     total = sum(f.size for f in files)
     lines.append(f"total: {len(files)} file(s), {sum(len(f.layout.tensors) for f in files)} tensors, "
-                 f"{total} bytes ({total / 2**30:.2f} GiB)")
+                 f"{total} bytes ({human_size(total)})")
     return lines

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import OutputError
+from ..io.console import human_size
 
 HEADROOM_BYTES = 64 << 20
 HEADROOM_FRACTION = 0.01
@@ -23,14 +24,10 @@ def headroom(planned: int) -> int:
     return HEADROOM_BYTES + int(planned * HEADROOM_FRACTION)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def check_free_space(out_dir: Path, planned: int) -> None:
     """OutputError unless `out_dir`'s filesystem has `planned` bytes plus the headroom free."""
     free = shutil.disk_usage(out_dir).free
     need = planned + headroom(planned)
     if free < need:
-        raise OutputError(f"{out_dir}: {_gib(free)} free, the output needs {_gib(planned)} ({planned} bytes) "
-                          f"plus {_gib(need - planned)} headroom; free space or choose another output directory")
+        raise OutputError(f"{out_dir}: {human_size(free)} free, the output needs {human_size(planned)} ({planned} bytes) "
+                          f"plus {human_size(need - planned)} headroom; free space or choose another output directory")

@@ -68,3 +68,4 @@ class Progress:
     def close(self) -> None:
         if self._json is not None:
             self._json.close()
+

@@ -26,6 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import WriterState
 
 from ..errors import OutputError
+from .atomic import removed_on_failure
 from .gguf_file import row_nbytes
 from .pipeline import SerialWorker
 
@@ -186,7 +187,7 @@ def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor
     tmp = partial_path(out)
     _claim_partial(tmp, overwrite)
     header = header_bytes(layout)
-    try:
+    with removed_on_failure(tmp, out):
         # "x": a link or file that appeared at the partial name since it was claimed is not followed.
         with open(tmp, "xb") as fout:
             fout.write(header)
@@ -196,9 +197,3 @@ def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor
         check_output(out, overwrite)
         os.replace(tmp, out)
         _fsync_dir(out.parent)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"writing {out} failed: {exc}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

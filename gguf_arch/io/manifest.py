@@ -158,15 +158,18 @@ def read_manifest(gguf: Path | str) -> Manifest:
     return Manifest(doc["gguf_size"], doc["header_sha256"], tensors)
 
 
-def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
-    """Raise IntegrityError at the first byte-level difference between the GGUF and its manifest."""
+def check_hashes(gguf: Path | str, manifest: Manifest, advance: Callable[[int], object] = lambda _n: None) -> None:
+    """Raise IntegrityError at the first byte-level difference between the GGUF and its manifest;
+    `advance(n)` after each tensor's n bytes are hashed."""
     gguf = Path(gguf)
     size = gguf.stat().st_size
     if size != manifest.gguf_size:
         raise IntegrityError(f"{gguf}: {size} bytes, the manifest says {manifest.gguf_size} (truncated or replaced)")
     reader = open_gguf(gguf)
-    if _sha256_of_range(gguf, 0, _data_start(reader)) != manifest.header_sha256:
+    start = _data_start(reader)
+    if _sha256_of_range(gguf, 0, start) != manifest.header_sha256:
         raise IntegrityError(f"{gguf}: header (metadata or tensor infos) differs from the manifest's digest")
+    advance(start)
     found = [(t.name, Q(t.tensor_type).name, int(t.n_bytes), int(t.data_offset)) for t in reader.tensors]
     listed = [(d.name, d.ggml_type, d.nbytes) for d in manifest.tensors]
     if [f[:3] for f in found] != listed:
@@ -176,3 +179,4 @@ def check_hashes(gguf: Path | str, manifest: Manifest) -> None:
     for (name, _type, nbytes, offset), d in zip(found, manifest.tensors):
         if _sha256_of_range(gguf, offset, nbytes) != d.sha256:
             raise IntegrityError(f"{gguf}: tensor {name}: SHA-256 differs from the manifest (corrupted bytes)")
+        advance(nbytes)

@@ -23,6 +23,7 @@ from typing import Iterator
 from ..arch.config import K3Config, parse_config
 from ..arch.tensors import plan_tensors
 from ..errors import OutputError, run_cli
+from ..io.console import ArgumentParser, human_size
 from ..io.safetensors import INDEX_FILE
 from ..io.safetensors_write import StreamedTensor, write_safetensors
 from .config import DIMENSIONS, PRESETS, VARIANTS, build_config, vision_shapes
@@ -123,16 +124,18 @@ def write_checkpoint(plan: CheckpointPlan, out_dir: Path, overwrite: bool = Fals
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="kimi-k3-synth",
         description="Write a seeded random Kimi K3 / K3.1-Pro checkpoint in the released on-disk format.")
-    p.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR",
+                   help="directory to write the checkpoint into (created; must be empty unless --overwrite)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="tiny: the shared fixtures' sizes (~2 MB); large: real hidden and expert sizes, "
                         "4 layers, 64 experts (~9 GB)")
     p.add_argument("--variant", choices=VARIANTS, default="k31pro",
                    help="k31pro adds the DSA index_* fields and indexer tensors (default)")
-    p.add_argument("--seed", type=_non_negative, default=0)
+    p.add_argument("--seed", type=_non_negative, default=0, metavar="N",
+                   help="seed of every weight (default 0): the same seed and dimensions give byte-identical files")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT_DIR")
     p.add_argument("--dry-run", action="store_true", help="print the shard plan, write nothing")
     dims = p.add_argument_group("dimensions (override the preset)")
@@ -143,7 +146,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -155,10 +161,12 @@ def _report(plan: CheckpointPlan, out_dir: Path, dry_run: bool) -> None:
         for s in plan.shards:
             print(f"{s.filename}  {len(s.tensors):6d} tensors  {s.nbytes:15,d} bytes")
     verb = "would write" if dry_run else "wrote"
-    print(f"{verb} {len(plan.shards)} shards, {n_tensors} tensors, {plan.total_size:,} bytes of tensors to {out_dir}")
+    print(f"{verb} {len(plan.shards)} shards, {n_tensors} tensors, {plan.total_size:,} bytes ({human_size(plan.total_size)}) "
+          f"of tensors to {out_dir}")
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(argv: list[str] | None) -> None:
+    args = _parser().parse_args(argv)
     dims = {key: getattr(args, key.replace("-", "_")) for key in DIMENSIONS}
     dims = {key: PRESETS[args.preset][key] if value is None else value for key, value in dims.items()}
     plan = plan_checkpoint(dims, args.variant, args.seed)
@@ -168,8 +176,8 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return run_cli(lambda: _run(args))
+    # Parsing runs inside run_cli: a bad argument is the one-line error of every console script.
+    return run_cli(lambda: _run(argv))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Exit codes follow cmp(1): 0 every tensor matches, 1 a difference, 2 bad input (e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import mmap
@@ -34,8 +35,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from ..arch.config import K3Config, load_config
-from ..arch.tensors import LAYER, PlannedTensor, plan_tensors
+from ..arch.keys import ARCH, EXPERT_COUNT
+from ..arch.pruned import is_per_expert, read_kept, select_experts
+from ..arch.tensors import PlannedTensor, gguf_layer, plan_tensors
 from ..errors import CheckpointError, KimiError, run_cli
+from ..io.console import ArgumentParser, task_bar
 from ..io.gguf_file import open_gguf, row_nbytes
 from ..io.safetensors import Checkpoint, open_checkpoint
 from .bounds import BOUNDS
@@ -114,6 +118,7 @@ class _GGUF:
     """The GGUF's tensors by name, and their bytes one row range at a time."""
 
     def __init__(self, path: Path):
+        self.path = path
         self.reader = open_gguf(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
 
@@ -197,11 +202,16 @@ def read_sources(ckpt: Checkpoint, plan: PlannedTensor) -> list[Source]:
 
 
 def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
-              intended: Mapping[str, str]) -> TensorDiff:
+              intended: Mapping[str, str], kept: tuple[int, ...] | None = None) -> TensorDiff:
+    """kept: for a per-expert tensor of a pruned GGUF, the original ids of the experts it holds."""
     t = gguf.tensors[plan.name]
     qtype = Q(t.tensor_type)
     sources = read_sources(ckpt, plan)
     want = exact_type(plan, sources)
+    references = REFERENCES[plan.transform](cfg, plan, sources)
+    if kept is not None:
+        references = select_experts(references, plan.shape, kept, Chunk)
+        plan = dataclasses.replace(plan, shape=(len(kept), *plan.shape[1:]))
 
     def result(status: str, detail: str, mismatches: Iterable[Mismatch] = ()) -> TensorDiff:
         return TensorDiff(plan.name, plan.layer, status, detail, qtype.name, want.name, tuple(mismatches))
@@ -215,8 +225,7 @@ def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
     if problem:
         return result(TYPE, problem)
     exact = qtype == want
-    mismatches = _compare(gguf, plan, _releasing(REFERENCES[plan.transform](cfg, plan, sources), ckpt, gguf),
-                          qtype, exact)
+    mismatches = _compare(gguf, plan, _releasing(references, ckpt, gguf), qtype, exact)
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_MAX_UNITS_SHOWN])
         more = f"; and {len(mismatches) - _MAX_UNITS_SHOWN} more" if len(mismatches) > _MAX_UNITS_SHOWN else ""
@@ -227,15 +236,17 @@ def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
 
 # ---- the diff over a layer selection --------------------------------------------------------
 
-_LAYER_PREFIX = LAYER.split("{l}")[0]  # "blk."
-
-
-def gguf_layer(name: str) -> int | None:
-    """The layer a GGUF tensor name belongs to, None for a global (prefix taken from the table)."""
-    if not name.startswith(_LAYER_PREFIX):
-        return None
-    head = name[len(_LAYER_PREFIX):].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+def _pruned_experts(gguf: _GGUF, cfg: K3Config) -> dict[int, tuple[int, ...]]:
+    """The kept experts of a GGUF made by kimi-k3-prune (arch/pruned.py); {} when unpruned."""
+    f = gguf.reader.fields
+    meta = {k: f[k].contents() for k in f if k.startswith(ARCH)}
+    pruning = read_kept(meta, cfg.moe_layers, meta.get(EXPERT_COUNT, cfg.num_experts), str(gguf.path))
+    if pruning is None:
+        return {}
+    if pruning[0] != cfg.num_experts:
+        raise KimiError(f"{gguf.path}: pruned from a model with {pruning[0]} experts per layer, the checkpoint has "
+                        f"{cfg.num_experts}")
+    return pruning[1]
 
 
 def select_layers(cfg: K3Config, layers: Iterable[int] | None) -> tuple[int, ...]:
@@ -247,6 +258,10 @@ def select_layers(cfg: K3Config, layers: Iterable[int] | None) -> tuple[int, ...
         raise KimiError(f"layers {outside} are outside 0..{cfg.num_layers - 1} "
                         f"(0-based; the model has {cfg.num_layers})")
     return chosen
+
+
+def _in_scope(layer: int | None, chosen: set[int], include_globals: bool) -> bool:
+    return (layer is None and include_globals) or layer in chosen
 
 
 def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
@@ -266,9 +281,10 @@ def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iter
 
 def _diffs(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, chosen: set[int], include_globals: bool,
            intended: Mapping[str, str]) -> Iterator[TensorDiff]:
+    kept = _pruned_experts(gguf, cfg)
     expected: set[str] = set()
     for plan in plan_tensors(cfg):
-        if not ((plan.layer is None and include_globals) or plan.layer in chosen):
+        if not _in_scope(plan.layer, chosen, include_globals):
             continue
         if plan.spec.optional and plan.sources[0][0] not in ckpt.entries:
             continue  # not in this checkpoint, so not in its plan: a GGUF copy is unexpected
@@ -276,7 +292,8 @@ def _diffs(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, chosen: set[int], inclu
         if plan.name not in gguf.tensors:
             yield TensorDiff(plan.name, plan.layer, MISSING, "in the plan, not in the GGUF")
         else:
-            yield _diff_one(ckpt, gguf, cfg, plan, intended)
+            yield _diff_one(ckpt, gguf, cfg, plan, intended,
+                            kept.get(plan.layer) if is_per_expert(plan.name, plan.layer) else None)
     for name, t in gguf.tensors.items():
         layer = gguf_layer(name)
         in_scope = layer in chosen or (layer is None and include_globals) or (layer or 0) >= cfg.num_layers
@@ -306,12 +323,12 @@ def _parse_layers(text: str) -> list[int] | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kimi-k3-diff",
         description="Compare a kimi-k3 GGUF tensor by tensor with the HF checkpoint it was converted from. "
                     "Exit 0: everything matches; 1: a difference; 2: bad input.")
-    parser.add_argument("model_dir", help="HF checkpoint directory (config.json + safetensors shards)")
-    parser.add_argument("gguf", help="the converted GGUF file")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HF checkpoint directory (config.json + safetensors shards)")
+    parser.add_argument("gguf", metavar="GGUF", help="the converted GGUF file")
     parser.add_argument("--layers", default="all", help="'all' (default) or 0-based layers, e.g. 0,3,12")
     parser.add_argument("--no-globals", action="store_true",
                         help="leave out token_embd, output and the other globals")
@@ -319,20 +336,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
     cfg = load_config(args.model_dir)
     report = DiffReport(args.model_dir, args.gguf, select_layers(cfg, _parse_layers(args.layers)))
-    for diff in iter_tensor_diffs(args.model_dir, args.gguf, report.layers, not args.no_globals):
-        report.tensors.append(diff)
-        if not args.json:
-            print(diff.line(), flush=True)
+    in_scope = [p for p in plan_tensors(cfg) if _in_scope(p.layer, set(report.layers), not args.no_globals)]
+    with task_bar("comparing", len(in_scope), enabled=sys.stderr.isatty()) as bar:
+        for diff in iter_tensor_diffs(args.model_dir, args.gguf, report.layers, not args.no_globals):
+            report.tensors.append(diff)
+            bar.update()
+            if not args.json:
+                bar.write(diff.line(), file=sys.stdout)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0 if report.ok else DIFFERENCES_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return run_cli(lambda: _run(args))
+    # Parsing runs inside run_cli: a bad argument is the one-line error of every console script.
+    return run_cli(lambda: _run(argv))
 
 
 if __name__ == "__main__":

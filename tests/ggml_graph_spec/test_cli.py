@@ -122,7 +122,12 @@ def test_override_kv_syntax(spec, value):
     (["--override-kv", "kimi-k3.expert_used_count=float:1.0"], "the file stores a int, the override is a float"),
     (["--override-kv", "kimi-k3.no_such_key=int:1"], "the GGUF has no such key"),
     (["--override-kv", "general.name=str:x"], "not a key this runner reads"),
-    (["--temp", "-1"], "--temp must be >= 0.0"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be > 0, got 0.0"),
+    (["-s", "-2"], "-s/--seed must be >= -1, got -2"),
+    (["--seed", "4294967296"], "-s/--seed must be at most 4294967295"),
+    (["--repeat-last-n", "-2"], "--repeat-last-n must be >= -1"),
+    (["-no-cnv", "-sys", "be brief"], "-sys applies to a conversation, not with -no-cnv"),
+    (["--perplexity", "-cnv"], "it does not run a conversation"),
     (["-c", "4000000"], "exceeds the model's context length 1048576"),
     (["--perplexity"], "--perplexity needs -f FILE"),
     (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt: no such file"),
@@ -130,6 +135,7 @@ def test_override_kv_syntax(spec, value):
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, k3_tiny_gguf, argv, message):
     extra = [] if "-f" in argv or "--perplexity" in argv else ["-p", PROMPT]
+    extra = ["-f", PROMPT] if "-cnv" in argv else extra
     rc, out, err = _cli(capsys, "-m", k3_tiny_gguf, "-n", 1, "-c", 16, *extra, *argv)
     assert rc == EXIT_BAD_INPUT
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err

@@ -140,6 +140,38 @@ def test_partial_indexer_keys(tmp_path, k31pro_tiny_gguf):
     _one_line_error(out, K.INDEXER_TOP_K, "together")
 
 
+def test_a_gguf_with_only_the_older_layers_key_still_loads_with_a_note(tmp_path, k31pro_tiny_gguf, capsys):
+    legacy = rewritten_copy(k31pro_tiny_gguf, tmp_path / "legacy.gguf", keys={
+        K.INDEXER_TYPES: None, K.LEGACY_INDEXER_LAYERS: ([3, 7, 11, 12], GGUFValueType.ARRAY, GGUFValueType.UINT32)})
+    weights, current = load_gguf(legacy), load_gguf(k31pro_tiny_gguf)
+    try:
+        assert weights.cfg == current.cfg and weights.cfg.indexer.layers == (3, 7, 11, 12)
+        assert current.notes == ()
+        (note,) = weights.notes
+        assert K.LEGACY_INDEXER_LAYERS in note and K.INDEXER_TYPES in note
+    finally:
+        weights.close()
+        current.close()
+    from ggml_graph_spec.cli import main
+
+    assert main(["-m", str(legacy), "-p", "x", "-n", "1", "-c", "16", "-t", "2"]) == 0
+    notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("print_info: note")]
+    assert notes == [f"print_info: note             = {note}"]
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({K.INDEXER_TYPES: ([True] * 13, GGUFValueType.ARRAY, GGUFValueType.BOOL)}, "they must be the MLA layers"),
+    ({K.INDEXER_TYPES: ([l in (3, 7, 11, 12) for l in range(12)], GGUFValueType.ARRAY, GGUFValueType.BOOL)},
+     "must be an array of 13 bools"),
+    ({K.INDEXER_TYPES: ([1 if l in (3, 7, 11, 12) else 0 for l in range(13)], GGUFValueType.ARRAY,
+                        GGUFValueType.UINT32)}, "must be an array of 13 bools"),
+    ({K.INDEXER_TYPES: None, K.LEGACY_INDEXER_LAYERS: ([3, 7, 11, 13], GGUFValueType.ARRAY, GGUFValueType.UINT32)},
+     "0-based layer ids below"),
+])
+def test_bad_indexer_types(tmp_path, k31pro_tiny_gguf, keys, message):
+    _one_line_error(rewritten_copy(k31pro_tiny_gguf, tmp_path / "x.gguf", keys=keys), K.ARCH, message)
+
+
 def test_missing_tensor(tmp_path, k3_tiny_gguf):
     name = "blk.5.ssm_beta.weight"
     _one_line_error(rewritten_copy(k3_tiny_gguf, tmp_path / "x.gguf", replace={name: None}), "missing tensor", name)

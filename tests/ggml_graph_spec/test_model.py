@@ -12,7 +12,7 @@ from gguf_arch.convert.run import convert
 from ggml_graph_spec.model import EvalError, Model
 from quant_rules.rules import QuantOptions
 
-from tests.support.reference import N_CTX, assert_logits, load_reference
+from tests.support.reference import N_CTX, assert_greedy_matches, assert_logits, load_reference
 
 HIDDEN_ATOL = 1e-3  # the fixture README's suggestion, as LOGITS_ATOL (tests/support/reference.py)
 PROMPTS = ("short", "long")
@@ -62,16 +62,7 @@ def test_exact_moe_routing(exact):
 
 
 def test_exact_greedy_through_the_cache(exact):
-    m, ref = exact
-    m.reset()
-    logits = m.eval(ref["input_ids_short"])[-1]
-    ids, steps = [], []
-    for _ in range(len(ref["greedy_ids"])):
-        steps.append(logits)
-        ids.append(int(logits.argmax()))
-        logits = m.eval([ids[-1]])[-1]
-    assert ids == ref["greedy_ids"].tolist()
-    assert_logits(np.stack(steps), ref["greedy_step_logits"], "greedy_step_logits")
+    assert_greedy_matches(*exact)
 
 
 def test_incremental_decode_equals_full_recompute(exact):

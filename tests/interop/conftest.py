@@ -114,3 +114,10 @@ def k31pro_no_dsa_gguf(tmp_path_factory, k31pro_tiny_dir) -> Path:
 def k3_f32_gguf(tmp_path_factory, k3_tiny_dir) -> Path:
     """Every matrix and the routed experts in F32: nothing for llama.cpp to quantize on the fly."""
     return _convert(tmp_path_factory, k3_tiny_dir, "k3-f32.gguf", "--outtype", "f32", "--requantize-experts", "f32")
+
+
+@pytest.fixture(scope="session")
+def k31pro_no_dsa_f32_gguf(tmp_path_factory, k31pro_tiny_dir) -> Path:
+    """The --no-dsa GGUF with every matrix and the routed experts in F32."""
+    return _convert(tmp_path_factory, k31pro_tiny_dir, "k31pro-no-dsa-f32.gguf", "--no-dsa", "--outtype", "f32",
+                    "--requantize-experts", "f32")

@@ -98,15 +98,25 @@ def test_print_tensor_types_on_the_real_k31pro_plan(k31pro_real_plan, tmp_path, 
     assert rows["blk.3.attn_q_b.weight"][2:] == ["bf16", "q8_0", "--outtype q8_0"]
     assert rows["blk.1.ffn_gate_exps.weight"][2:] == ["mxfp4", "mxfp4", "protected: routed-experts"]
     assert out[0].startswith("source types as config.json declares them (bf16")
+    # The protected-tensor note: a header, then per rule its tensors (at most 3 named) and its reason,
+    # wrapped at 100 columns (it was one 2,900-character line).
+    start = out.index("--outtype q8_0: left 1484 protected tensor(s) alone:")
+    note = out[start:next(i for i in range(start + 1, len(out)) if not out[i].startswith(" "))]
+    assert max(map(len, note)) <= 100 and len(note) > 10
+    assert "  norms, kept at f32: output_norm.weight, blk.*.attn_norm.weight (93 layers), blk.*.ffn_norm.weight" in note
+    assert "      (93 layers) ... and 4 more" in note
+    assert sum(l.startswith("    why: ") for l in note) == 11
+    assert out[-2] == ("2669 tensors, 1.37 TiB: q8_0 1185 (55.5 GiB), f32 1160 (2.27 GiB), mxfp4 276 (1.32 TiB), "
+                       "bf16 48 (330 MiB)")
     assert out[-2].startswith("2669 tensors") and out[-1].startswith(
         f"wrote llama-quantize rules to {rules}: pass them before your own rules")
     assert r"\.indexer\.(attn_q_b|attn_k)\.weight$=bf16" in rules.read_text().split()
 
 
 def test_output_is_required_unless_printing(k31pro_tiny_dir, capsys):
-    with pytest.raises(SystemExit) as exc:
-        convert_kimi_k3.main([str(k31pro_tiny_dir)])
-    assert exc.value.code == 2
+    assert convert_kimi_k3.main([str(k31pro_tiny_dir)]) == 2
+    assert capsys.readouterr().err == ("error: the output file OUT (or --outfile OUT) is required unless "
+                                       "--print-tensor-types is given (see convert-kimi-k3 --help)\n")
     assert convert_kimi_k3.main([str(k31pro_tiny_dir), "--print-tensor-types", "--tensor-type", "attn_q"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "error: --tensor-type: malformed rule 'attn_q' (expected PATTERN=TYPE)"

@@ -51,3 +51,9 @@ def peak_rss_kib(*args: str | Path, timeout: float = 300) -> int:
     res = run_cli(*args, prelude=PEAK_RSS_PRELUDE, timeout=timeout)
     assert res.rc == 0, res.err
     return int(re.search(r"vmhwm_kib (\d+)", res.out)[1])
+
+
+def run_runner(*argv: str | Path, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """kimi-k3-cli (`python -m ggml_graph_spec`) in a fresh interpreter, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "ggml_graph_spec", *map(str, argv)], cwd=REPO, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)

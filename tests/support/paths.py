@@ -12,3 +12,6 @@ FIXTURES = REPO / "tests" / "fixtures"
 K3_TINY = FIXTURES / "k3-tiny"
 K31PRO_TINY = FIXTURES / "k31pro-tiny"
 REFERENCE = FIXTURES / "reference"
+PROSE = FIXTURES / "text" / "prose.txt"  # calibration texts with two tags (prose, code)
+CODE = FIXTURES / "text" / "code.txt"
+TEXT = FIXTURES / "text" / "lighthouse.txt"  # prose for perplexity and importance matrices

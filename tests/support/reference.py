@@ -29,3 +29,17 @@ def assert_logits(got: np.ndarray, want: np.ndarray, what: str, atol: float = LO
     assert bad.size == 0, f"{what}: first position off by more than {atol}: {bad[0]} (|diff| {diff[bad[0]]:.3g})"
     wrong = np.flatnonzero(got.argmax(1) != want.argmax(1))
     assert wrong.size == 0, f"{what}: argmax differs at positions {wrong.tolist()}"
+
+
+def assert_greedy_matches(m, ref) -> None:
+    """The reference's greedy tokens after the short prompt, one at a time through the cache,
+    and the logits each came from."""
+    m.reset()
+    logits = m.eval(ref["input_ids_short"])[-1]
+    ids, steps = [], []
+    for _ in range(len(ref["greedy_ids"])):
+        steps.append(logits)
+        ids.append(int(logits.argmax()))
+        logits = m.eval([ids[-1]])[-1]
+    assert ids == ref["greedy_ids"].tolist()
+    assert_logits(np.stack(steps), ref["greedy_step_logits"], "greedy_step_logits")

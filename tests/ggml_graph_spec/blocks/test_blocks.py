@@ -73,6 +73,7 @@ class RandomLayer:
                 raw = self.np[p.name] = value
                 tensors[p.name] = new_tensor(self._ctx, F32, tuple(reversed(p.shape)))
             data[p.name] = np.ascontiguousarray(raw)
+            ggml.ggml_set_name(tensors[p.name], p.name.encode())  # as the loader names them (taps read it)
         self._buffer = ggml.ggml_backend_alloc_ctx_tensors(self._ctx, exe.backend)
         for name, raw in data.items():
             ggml.ggml_backend_tensor_set(tensors[name], raw.ctypes.data, 0, raw.nbytes)

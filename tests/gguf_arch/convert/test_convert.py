@@ -76,7 +76,11 @@ def test_indexer_keys_have_the_config_values(k31pro_tiny_gguf, k3_tiny_gguf):
     assert _value(r, "kimi-k3.attention.indexer.head_count") == 4
     assert _value(r, "kimi-k3.attention.indexer.key_length") == 16
     assert _value(r, "kimi-k3.attention.indexer.top_k") == 2048
-    assert _value(r, "kimi-k3.attention.indexer.layers") == [3, 7, 11, 12]  # index_layers [4,8,12,13] - 1
+    # One bool per layer (llama.cpp's indexer.types), true exactly on index_layers [4,8,12,13] - 1.
+    types = r.fields["kimi-k3.attention.indexer.types"]
+    assert types.types == [GGUFValueType.ARRAY, GGUFValueType.BOOL]
+    assert _value(r, "kimi-k3.attention.indexer.types") == [l in (3, 7, 11, 12) for l in range(13)]
+    assert "kimi-k3.attention.indexer.layers" not in r.fields  # the older key is no longer written
     assert not set(INDEXER_KEYS) & set(_reader(k3_tiny_gguf).fields)
 
 

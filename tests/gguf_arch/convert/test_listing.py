@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from gguf import GGUFReader
 from gguf import GGMLQuantizationType as Q
 
@@ -97,3 +98,17 @@ def test_sizes_are_those_of_the_files_written(k3_tiny_dir, tmp_path, capsys):
         assert Path(path).name == part.name
         assert listed == [(t.name, type_name(Q(t.tensor_type)), int(t.n_bytes)) for t in GGUFReader(part).tensors]
     assert total[2] == sum(p.stat().st_size for p in written)
+
+
+@pytest.mark.parametrize("mode", ["--dry-run", "--print-tensor-types"])
+def test_the_listings_show_the_dsa_keys(tmp_path, k31pro_tiny_dir, capsys, mode):
+    out = [] if mode == "--print-tensor-types" else [str(tmp_path / "x.gguf")]
+    assert convert_kimi_k3.main([str(k31pro_tiny_dir), *out, mode]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "kimi-k3.attention.indexer.types = arr[bool, 13], true on layers [3, 7, 11, 12]" in lines
+    assert "kimi-k3.attention.indexer.top_k = 2048" in lines
+    assert convert_kimi_k3.main([str(k31pro_tiny_dir), *out, mode, "--no-dsa"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "no DSA keys (kimi-k3.attention.indexer.*): a plain kimi-k3 GGUF" in lines
+    assert not any(l.startswith("kimi-k3.attention.indexer.") for l in lines)
+    assert not (tmp_path / "x.gguf").exists()

@@ -1,0 +1,247 @@
+"""Conversation mode of kimi-k3-cli (llama-cli's -cnv / -i): turns, the chat template, the input loop.
+
+Each turn feeds the model only what is new. For a chat the new text is what the template renders
+for the conversation with the new user message, past the rendering of the conversation before it
+(llama.cpp's way of formatting one message at a time); the model's own reply is already in the
+caches as the tokens it sampled. A reply cut short (Ctrl-C, -n, a reverse prompt) is closed with
+the EOS token before the next turn, as llama-cli does, so the next turn starts after a finished
+one. `-i` without a template feeds the user's text as it is.
+
+The input loop reads lines from a terminal (prompt `> `, a line ending in `\\` continues on the
+next one) or from a pipe (no prompt); `/exit` or the end of input ends the conversation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, TextIO
+
+import jinja2
+
+from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, compile_template
+from gguf_arch.io.console import UsageError
+
+from .generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
+from .model import Model
+from .sampling import Sampler
+from .tokenizer import BPETokenizer
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+EXIT_COMMAND = "/exit"
+# K3's XTML markup: what lies between an opening or closing token and the next <|sep|> is a tag
+# name and attributes, not text of the reply.
+_TAG_START = ("<|open|>", "<|close|>")
+_TAG_END = "<|sep|>"
+
+
+class ChatTemplate:
+    """A chat template compiled in the sandbox, rendered as Hugging Face renders it."""
+
+    def __init__(self, text: str, where: str, tokenizer: BPETokenizer, kwargs: Mapping[str, Any]) -> None:
+        self.where = where
+        self._template = compile_template(text, where, UsageError)
+        special = lambda i: tokenizer.decode([i]) if i is not None else ""  # noqa: E731
+        self._context = {"bos_token": special(tokenizer.bos_id), "eos_token": special(tokenizer.eos_id),
+                         **kwargs}
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **self._context)
+        except jinja2.TemplateError as exc:  # raise_exception, sandbox violations, undefined names
+            raise UsageError(f"{self.where}: chat template: {exc.message or exc}") from None
+        except RecursionError:  # a macro calling itself without end
+            raise UsageError(f"{self.where}: chat template: recursion too deep") from None
+
+
+def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: Path | None,
+                  kwargs: Mapping[str, Any], read_text: Callable[[Path], str]) -> tuple[ChatTemplate, str]:
+    """--chat-template-file, else the GGUF's tokenizer.chat_template, else the built-in K3 template;
+    with a line saying which."""
+    if file is not None:
+        return ChatTemplate(read_text(file), str(file), tokenizer, kwargs), f"chat template: {file}"
+    text = metadata.get(CHAT_TEMPLATE_KEY)
+    if isinstance(text, str):
+        return ChatTemplate(text, CHAT_TEMPLATE_KEY, tokenizer, kwargs), f"chat template: the GGUF's {CHAT_TEMPLATE_KEY}"
+    return (ChatTemplate(K3_CHAT_TEMPLATE, "built-in K3 template", tokenizer, kwargs),
+            f"chat template: the GGUF has no {CHAT_TEMPLATE_KEY}; using the built-in K3 template")
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """llama-cli's conversation options."""
+    g = p.add_argument_group("conversation (the default without -p/-f)")
+    g.add_argument("-cnv", "--conversation", dest="conversation", action="store_const", const=True, default=None,
+                   help="chat: each input is a user turn rendered with the chat template; -p/-f is the first one")
+    g.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_const", const=False,
+                   help="no conversation: complete -p/-f (with -i: feed the input as it is)")
+    g.add_argument("-i", "--interactive", action="store_true",
+                   help="read more input after each reply (a conversation with a chat template unless -no-cnv)")
+    g.add_argument("-sys", "--system-prompt", metavar="PROMPT", help="system message of the conversation")
+    g.add_argument("--chat-template-file", type=Path, metavar="FILE",
+                   help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template")
+    g.add_argument("--chat-template-kwargs", metavar="JSON",
+                   help='extra template variables as a JSON object, e.g. \'{"thinking": false}\'')
+    g.add_argument("-r", "--reverse-prompt", action="append", default=[], metavar="PROMPT",
+                   help="stop the reply when the output shows PROMPT and return control (repeatable)")
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """--chat-template-kwargs: a JSON object of extra template variables (llama.cpp's option)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--chat-template-kwargs: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--chat-template-kwargs: expected a JSON object, got {text!r}")
+    return value
+
+
+class ReplyFilter:
+    """Which tokens of a chat reply are shown: no special tokens, no XTML tag names or attributes."""
+
+    def __init__(self, tokenizer: BPETokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._starts = {i for i in map(tokenizer.special_id, _TAG_START) if i is not None}
+        self._end = tokenizer.special_id(_TAG_END)
+        self._in_tag = False
+
+    def __call__(self, token: int) -> bool:
+        if token in self._starts:
+            self._in_tag = True
+        elif token == self._end:
+            self._in_tag = False
+            return False
+        return not (self._in_tag or self._tokenizer.is_special(token))
+
+
+@dataclass
+class Conversation:
+    """One conversation on one model: what was said, and what the caches still lack."""
+
+    model: Model
+    tokenizer: BPETokenizer
+    sampler: Sampler
+    stop: StopRules
+    template: ChatTemplate | None  # None: -i, the user's text goes in as it is
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    _rendered: str = ""  # the template's rendering of `messages`, without a generation prompt
+    _unevaluated: list[int] = field(default_factory=list)  # the end of the last reply, not yet in the caches
+
+    def new_tokens(self, user_text: str) -> list[int]:
+        """The tokens this turn adds to the caches: the end of the last reply, then the turn."""
+        first = self.model.n_past == 0 and not self._unevaluated
+        if self.template is None:
+            text = user_text
+        else:
+            self.messages.append({"role": "user", "content": user_text})
+            full = self.template.render(self.messages, add_generation_prompt=True)
+            text = full[_common_prefix(self._rendered, full):]
+        ids = self.tokenizer.encode(text, add_bos=None if first else False)
+        return self._unevaluated + ids
+
+    def turn(self, user_text: str, out: TextIO, timings: Timings, interrupt: Interrupt | None = None) -> Reply:
+        """Feed the user's turn, stream the reply to `out`, and keep what the next turn needs."""
+        tokens = self.new_tokens(user_text)
+        self.sampler.reset()
+        show = ReplyFilter(self.tokenizer) if self.template is not None else (lambda _t: True)
+        reply = generate(self.model, self.tokenizer, tokens, self.sampler, self.stop, out=out, timings=timings,
+                         show=show, interrupt=interrupt)
+        self._unevaluated = [] if reply.pending is None else [reply.pending]
+        if self.template is not None:
+            if reply.reason != "eog" and self.tokenizer.eos_id is not None:
+                self._unevaluated.append(self.tokenizer.eos_id)
+            self.messages.append({"role": "assistant", "content": reply.text})
+            self._rendered = self.template.render(self.messages, add_generation_prompt=False)
+        return reply
+
+
+def _common_prefix(a: str, b: str) -> int:
+    # A template renders a longer conversation as the shorter one plus the new turn; where one does
+    # not (a template that rewrites past turns), only the part after the common prefix is new.
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class LineReader:
+    """User input: from a terminal with a `> ` prompt and `\\` continuation lines, or from a pipe."""
+
+    def __init__(self, stdin: TextIO, out: TextIO) -> None:
+        self._stdin, self._out = stdin, out
+        self.terminal = stdin.isatty()
+
+    def _line(self, prompt: str) -> str | None:
+        if self.terminal:
+            # The prompt goes to stdout as llama-cli writes it (input()'s own prompt may go to stderr).
+            self._out.write(prompt)
+            self._out.flush()
+            try:
+                return input()
+            except EOFError:
+                return None
+        line = self._stdin.readline()
+        return line.rstrip("\n") if line else None
+
+    def read(self) -> str | None:
+        """The next input (lines joined), or None at the end of input."""
+        parts: list[str] = []
+        line = self._line("> ")
+        while line is not None and line.endswith("\\"):
+            parts.append(line[:-1])
+            line = self._line("")
+        if line is None:
+            return "\n".join(parts) if parts else None
+        return "\n".join(parts + [line])
+
+
+def banner(conversation: Conversation, system: str | None, template_line: str) -> list[str]:
+    """llama-cli's interactive-mode notes (stderr)."""
+    lines = [template_line] if conversation.template is not None else []
+    lines += ["== Running in interactive mode. ==", " - Press Ctrl+C to interject at any time.",
+              " - Press Return to return control to the AI.",
+              " - To submit another line, end your input with '\\'.",
+              f" - {EXIT_COMMAND} or the end of input (Ctrl+D) ends the conversation; Ctrl+C at the prompt exits."]
+    if conversation.template is not None and system is None:
+        lines.append(" - Not using system message. To change it, set a different value via -sys PROMPT")
+    return lines
+
+
+def _read(reader: LineReader, out: TextIO) -> str | None:
+    try:
+        return reader.read()
+    except KeyboardInterrupt:  # Ctrl-C at the prompt ends the program (llama-cli): end the line first
+        out.write("\n")
+        raise
+
+
+def converse(conversation: Conversation, first: str | None, reader: LineReader, out: TextIO,
+             timings: Timings) -> None:
+    """Turns until /exit or the end of input; Ctrl-C during a reply ends that reply only."""
+    pending = first
+    while True:
+        if pending is None:
+            pending = _read(reader, out)
+            if pending is None or pending.strip() == EXIT_COMMAND:
+                break
+        if pending.strip():
+            with sigint_stops() as interrupt:
+                conversation.turn(pending, out, timings, interrupt)
+            out.write("\n")
+            out.flush()
+        pending = None
+    if reader.terminal:
+        out.write("\n")
+
+
+def run_interactive(conversation: Conversation, first: str | None, system: str | None, template_line: str,
+                    timings: Timings, log: Callable[[Sequence[str]], None]) -> None:
+    if conversation.template is not None and system is not None:
+        conversation.messages.append({"role": "system", "content": system})
+    log(banner(conversation, system, template_line))
+    converse(conversation, first, LineReader(sys.stdin, sys.stdout), sys.stdout, timings)

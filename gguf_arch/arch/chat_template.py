@@ -1,0 +1,139 @@
+"""The chat template a kimi-k3 GGUF carries in `tokenizer.chat_template`, and the one sandbox it
+is compiled in (the converter checks it, the runner renders with it).
+
+A checkpoint that ships a template (`chat_template.jinja`, or `chat_template` in
+tokenizer_config.json) keeps its own. K3 ships none: Moonshot renders chats in Python. For it the
+converter writes `K3_CHAT_TEMPLATE`, written here for K3's chat format (k3-spec.md E.4), so that
+llama.cpp-style runtimes find a template where they look for one.
+
+K3's format ("XTML"): every element is `<|open|>NAME attr="value"...<|sep|> body <|close|>NAME<|sep|>`,
+attribute values escaped `&` -> `&amp;`, `"` -> `&quot;`. A turn is a `message` element with a `role`
+attribute (and `name` when the message has one), followed by `<|end_of_msg|>`, the token that
+ends a turn (the GGUF's EOS). An assistant turn holds a `think` channel (thinking mode only) and a
+`response` channel. With thinking on (the default, as in Moonshot's renderer), the conversation
+starts with a system message of type `thinking-effort` naming the effort (`max` by default). The
+generation prompt opens an assistant message and its first channel, which the model closes.
+
+The built-in template covers text conversations (system, user, assistant turns; `content` a
+string or a list of text parts; `reasoning_content` of past assistant turns); tool declarations,
+tool calls and images raise an error naming what is not supported, rather than being dropped.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import KimiError, TokenizerError
+from ..io.jsonfile import read_json, read_text
+
+TEMPLATE_FILE = "chat_template.jinja"
+
+K3_CHAT_TEMPLATE = r"""
+{#- Kimi K3 chat format (XTML); see gguf_arch/chat_template.py in kimi-k3-gguf. -#}
+{%- set think = true if thinking is not defined else thinking -%}
+{%- set effort = 'max' if thinking_effort is not defined else thinking_effort -%}
+{%- macro attr_value(v) -%}{{ v | string | replace('&', '&amp;') | replace('"', '&quot;') }}{%- endmacro -%}
+{%- macro opening(name, attrs) -%}
+<|open|>{{ name }}{% for key, value in attrs %} {{ key }}="{{ attr_value(value) }}"{% endfor %}<|sep|>
+{%- endmacro -%}
+{%- macro closing(name) -%}<|close|>{{ name }}<|sep|>{%- endmacro -%}
+{%- macro element(name, attrs=[]) -%}{{ opening(name, attrs) }}{{ caller() }}{{ closing(name) }}{%- endmacro -%}
+{%- macro turn(attrs) -%}{% set body = caller() %}{% call element('message', attrs) %}{{ body }}{% endcall %}<|end_of_msg|>{%- endmacro -%}
+{%- macro text_of(content) -%}
+{%- if content is none -%}
+{%- elif content is string -%}{{ content }}
+{%- else -%}
+{%- for part in content -%}
+{%- if part.type != 'text' -%}{{ raise_exception('the built-in Kimi K3 template renders text parts only, not ' ~ part.type) }}{%- endif -%}
+{{ part.text }}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools is defined and tools -%}{{ raise_exception('the built-in Kimi K3 template has no tool declarations') }}{%- endif -%}
+{%- if think and effort is not none -%}
+{%- if effort not in ['low', 'medium', 'high', 'max'] -%}{{ raise_exception('thinking_effort must be low, medium, high or max, not ' ~ effort) }}{%- endif -%}
+{%- call turn([('role', 'system'), ('type', 'thinking-effort')]) -%}
+`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.
+Now the system is invoked with `thinking_effort={{ effort }}`.
+{%- endcall -%}
+{%- endif -%}
+{%- for m in messages -%}
+{%- set attrs = [('role', m.role)] + ([('name', m.name)] if m.name else []) -%}
+{%- if m.role in ['system', 'user'] -%}
+{%- call turn(attrs) -%}{{ text_of(m.content) }}{%- endcall -%}
+{%- elif m.role == 'assistant' -%}
+{%- if m.tool_calls -%}{{ raise_exception('the built-in Kimi K3 template has no tool calls') }}{%- endif -%}
+{%- call turn(attrs) -%}
+{%- if think -%}{%- call element('think') -%}{{ m.reasoning_content if m.reasoning_content and m.reasoning_content | trim }}{%- endcall -%}{%- endif -%}
+{%- call element('response') -%}{{ text_of(m.content) }}{%- endcall -%}
+{%- endcall -%}
+{%- else -%}{{ raise_exception('the built-in Kimi K3 template has no role ' ~ m.role) }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ opening('message', [('role', 'assistant')]) }}{{ opening('think' if think else 'response', []) }}{%- endif -%}
+"""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = True, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # The keyword arguments of the tojson that Hugging Face templates are written against (jinja2's
+    # own tojson takes only indent).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # As Hugging Face renders chat templates: sandboxed (a template from a file cannot reach Python
+    # objects' internals), trim_blocks and lstrip_blocks, loop controls, raise_exception.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                                        undefined=jinja2.Undefined)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+def compile_template(text: str, where: str, error: type[KimiError] = KimiError) -> jinja2.Template:
+    """The template compiled in the sandbox; `error` names `where` and the line of a syntax error."""
+    try:
+        return _environment().from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise error(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
+    except RecursionError:  # jinja's parser recurses on nesting: a file can make it overflow
+        raise error(f"{where}: chat template nested too deeply") from None
+
+
+def _from_tokenizer_config(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    raw = read_json(path, TokenizerError, "not found")
+    value = raw.get("chat_template") if isinstance(raw, dict) else None
+    if isinstance(value, list):  # [{"name": ..., "template": ...}]: Hugging Face's named templates
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is not None and not isinstance(value, str):
+        raise TokenizerError(f"{path}: chat_template must be a string or a list with a 'default' template")
+    return value
+
+
+def checkpoint_chat_template(model_dir: Path, tokenizer_config: Path) -> str | None:
+    """The checkpoint's own template: chat_template.jinja first, as transformers reads it, then
+    tokenizer_config.json's chat_template; None when it has neither."""
+    jinja_file = Path(model_dir) / TEMPLATE_FILE
+    if jinja_file.exists():
+        return read_text(jinja_file, TokenizerError, "not found")
+    return _from_tokenizer_config(tokenizer_config)
+
+
+def gguf_chat_template(model_dir: Path, tokenizer_config: Path) -> str:
+    """What the converter writes to tokenizer.chat_template, checked to compile."""
+    own = checkpoint_chat_template(model_dir, tokenizer_config)
+    text, where = (K3_CHAT_TEMPLATE, "built-in K3 template") if own is None else (own, str(model_dir))
+    compile_template(text, where, TokenizerError)
+    return text
