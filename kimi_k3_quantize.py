@@ -22,19 +22,15 @@ from typing import Sequence
 from ggml_graph_spec.loader import load_gguf
 from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
 from gguf_arch.errors import GGUFError, OutputError, run_cli
+from gguf_arch.io.console import ArgumentParser
 from quant_rules import llama_quantize as lq
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES, NEEDS_IMATRIX
 from quant_rules.options import format_tensor_types
 from quant_rules.rules import QuantRuleError, parse_type, type_name
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise QuantRuleError(f"{self.prog}: {message} (see --help)")  # one line, exit code 2
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kimi-k3-quantize", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="kimi-k3-quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("input", type=Path, metavar="IN.gguf", help="a kimi-k3 GGUF (single file or first part)")
     p.add_argument("output", type=Path, metavar="OUT.gguf")
     p.add_argument("type", metavar="TYPE",

@@ -33,6 +33,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from gguf_arch.errors import EXIT_RUNTIME, GGUFError, KimiError
 from gguf_arch.io.gguf_file import open_gguf
+from gguf_arch.io.imatrix import imatrix_sizes
 from gguf_arch.io.split import part_paths
 
 from .options import read_tensor_type_file
@@ -126,7 +127,7 @@ def check_imatrix(resolution: Resolution, imatrix: Path | None) -> None:
             raise QuantRuleError(f"{d.name}: {type_name(d.final_type)} needs an importance matrix: pass --imatrix "
                                  "IM.gguf (made by llama-imatrix); llama-quantize refuses it without one")
         return
-    entries = imatrix_entries(imatrix)
+    entries = imatrix_sizes(imatrix)  # KimiError (bad input) for a file that is not one
     for d in resolution.decisions:
         # One sum per input column, per expert for the stacked experts (ne0 * ne2).
         want = d.shape[-1] * (d.shape[0] if len(d.shape) == 3 else 1)
@@ -137,17 +138,6 @@ def check_imatrix(resolution: Resolution, imatrix: Path | None) -> None:
     if missing:
         raise QuantRuleError(f"{imatrix}: no importance data for {missing[0]} ({len(missing)} tensor(s) "
                              f"without), which {type_name(needs[0].final_type)} needs")
-
-
-def imatrix_entries(path: Path) -> dict[str, int]:
-    """Weight name -> number of values, for every entry of an imatrix GGUF (llama-imatrix's format)."""
-    reader = open_gguf(path)
-    kind = reader.fields.get("general.type")
-    if kind is None or kind.contents() != "imatrix":
-        raise QuantRuleError(f"{path}: not an imatrix GGUF (general.type is not 'imatrix'); make one with "
-                             "llama-imatrix")
-    suffix = ".in_sum2"
-    return {t.name.removesuffix(suffix): int(t.n_elements) for t in reader.tensors if t.name.endswith(suffix)}
 
 
 _LAYER = re.compile(r"^blk\.\d+\.")

@@ -24,8 +24,10 @@ from gguf import GGUFWriter, Keys
 
 from ..errors import KimiError
 from .atomic import write_atomically
+from .gguf_file import open_gguf
 
 IMATRIX_TYPE = "imatrix"  # general.type of an importance matrix
+SUMS, COUNTS = ".in_sum2", ".counts"  # the two tensors of weight W: W.in_sum2, W.counts
 
 
 @dataclass
@@ -71,8 +73,8 @@ class ImatrixAccumulator:
 def _tensors(name: str, e: _Entry) -> tuple[tuple[str, np.ndarray], tuple[str, np.ndarray]]:
     """(name, numpy array) of W.in_sum2 and W.counts; numpy shape = ggml ne reversed."""
     if e.per_expert:
-        return (f"{name}.in_sum2", e.sums), (f"{name}.counts", e.counts.astype(np.float32)[:, None])
-    return (f"{name}.in_sum2", e.sums.reshape(-1)), (f"{name}.counts", e.counts.astype(np.float32))
+        return (name + SUMS, e.sums), (name + COUNTS, e.counts.astype(np.float32)[:, None])
+    return (name + SUMS, e.sums.reshape(-1)), (name + COUNTS, e.counts.astype(np.float32))
 
 
 def write_imatrix(path: Path, acc: ImatrixAccumulator, datasets: Sequence[str], chunk_size: int) -> None:
@@ -94,3 +96,14 @@ def write_imatrix(path: Path, acc: ImatrixAccumulator, datasets: Sequence[str], 
         w.close()
 
     write_atomically(path, write)
+
+
+def imatrix_sizes(path: Path) -> dict[str, int]:
+    """Weight name -> number of in_sum2 values, for every entry of an imatrix GGUF; KimiError
+    (one line) for a file that is not one."""
+    reader = open_gguf(path)
+    kind = reader.fields.get(Keys.General.TYPE)
+    if kind is None or kind.contents() != IMATRIX_TYPE:
+        raise KimiError(f"{path}: not an imatrix GGUF (general.type is not {IMATRIX_TYPE!r}); make one with "
+                        "llama-imatrix")
+    return {t.name.removesuffix(SUMS): int(t.n_elements) for t in reader.tensors if t.name.endswith(SUMS)}

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
 import kimi_k3_quantize
+from gguf_arch.errors import KimiError
 from quant_rules import llama_quantize as lq
 from quant_rules.rules import QuantOptions, QuantRuleError, load_protected_set, parse_tensor_type
 from tests.support.generated import ROWS_256, generated_gguf
@@ -77,7 +78,7 @@ def test_very_low_bit_types_need_an_importance_matrix(tmp_path, rows_256_gguf):
         lq.check_imatrix(r, None)
     other = tmp_path / "other.gguf"
     _write_gguf(other, {"blk.1.ffn_up_exps.weight.in_sum2": 4}, kind="model")
-    with pytest.raises(QuantRuleError, match="not an imatrix GGUF"):
+    with pytest.raises(KimiError, match="not an imatrix GGUF"):
         lq.check_imatrix(r, other)
     partial = tmp_path / "im.gguf"
     _write_gguf(partial, {"blk.2.ffn_up_exps.weight.in_sum2": 1024}, kind="imatrix")
@@ -119,7 +120,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     (("TYPE_PLACEHOLDER", "q8_0", "--tensor-type", "attn_q=q1_0"), 2, "unknown or unsupported type 'q1_0'"),
     (("TYPE_PLACEHOLDER", "q8_0", "--imatrix", "absent.gguf"), 2, "absent.gguf: --imatrix file not found"),
     (("TYPE_PLACEHOLDER", "q8_0", "--threads", "0"), 2, "--threads 0: must be >= 1"),
-    (("TYPE_PLACEHOLDER",), 2, "kimi-k3-quantize: the following arguments are required: TYPE"),
+    (("TYPE_PLACEHOLDER",), 2, "the following arguments are required: TYPE (see kimi-k3-quantize --help)"),
 ])
 def test_bad_arguments(capsys, tmp_path, k3_tiny_gguf, args, code, message):
     argv = [k3_tiny_gguf, tmp_path / "out.gguf", *args[1:]]
