@@ -18,6 +18,7 @@ from pathlib import Path
 from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_files
 from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
+from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
 from quant_rules.options import (add_quant_arguments, format_tensor_types, quant_options, requantize_warning,
@@ -52,6 +53,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _list_only(args: argparse.Namespace, quant, split: SplitLimits, log) -> None:
+    """--print-tensor-types and --dry-run: print; the one file written is --export-quantize-rules."""
+    types, source, _ = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
+    if args.export_quantize_rules:
+        guard = OutputPaths([(args.model_dir, "the model directory")])
+        guard.add(args.export_quantize_rules, "the llama-quantize rules (--export-quantize-rules)",
+                  replace=args.overwrite)
+        guard.check()
+    if args.print_tensor_types:
+        print("\n".join([source, *types.log, *format_tensor_types(types)]))
+    if args.dry_run:
+        print("\n".join(plan_lines(*planned_files(args.model_dir, args.out, dsa=not args.no_dsa, quant=quant,
+                                                  split=split))))
+    if args.export_quantize_rules:
+        log(write_quantize_rules(args.export_quantize_rules, types, args.overwrite))
+
+
 def _run(args: argparse.Namespace, log) -> None:
     if args.verify:
         verify(args.verify, args.model_dir, log)
@@ -59,22 +77,15 @@ def _run(args: argparse.Namespace, log) -> None:
     quant = quant_options(args)
     if quant.requantize_experts is not None:
         print(requantize_warning(quant.requantize_experts), file=sys.stderr)
-    if args.print_tensor_types or args.export_quantize_rules:
-        types, source, _ = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
-        if args.print_tensor_types:
-            print("\n".join([source, *types.log, *format_tensor_types(types)]))
-        if args.export_quantize_rules:
-            log(write_quantize_rules(args.export_quantize_rules, types))
     split = SplitLimits(parse_size(args.split_max_size) if args.split_max_size is not None else 0,
                         args.split_max_tensors)
-    if args.dry_run:
-        print("\n".join(plan_lines(*planned_files(args.model_dir, args.out, dsa=not args.no_dsa, quant=quant,
-                                                  split=split))))
-    elif not args.print_tensor_types:
-        output = OutputOptions(split, args.resume, progress_bar=not args.quiet and sys.stderr.isatty(),
-                               log_json=args.log_json)
-        convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant,
-                output=output, log=log)
+    if args.print_tensor_types or args.dry_run:
+        _list_only(args, quant, split, log)
+        return
+    output = OutputOptions(split, args.resume, progress_bar=not args.quiet and sys.stderr.isatty(),
+                           log_json=args.log_json, export_rules=args.export_quantize_rules)
+    convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant,
+            output=output, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from typing import Iterable
 from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.errors import OutputError
+from gguf_arch.io.output_paths import create
 
 from .rules import (EXPERT_TYPES, OUTTYPES, WRITABLE_TYPES, QuantOptions, QuantRuleError,
                     Resolution, TensorTypeRule, parse_tensor_type, parse_type, type_name)
@@ -152,10 +153,12 @@ def quantize_rules_lines(resolution: Resolution) -> list[str]:
     return lines
 
 
-def write_quantize_rules(path: Path, resolution: Resolution) -> str:
-    """Write the export; returns the line that says how to use it with llama-quantize."""
+def write_quantize_rules(path: Path, resolution: Resolution, replace: bool) -> str:
+    """Write the export (a path the run's output guard claimed); returns the line that says how to
+    use it with llama-quantize."""
     try:
-        path.write_text("".join(line + "\n" for line in quantize_rules_lines(resolution)), encoding="utf-8")
+        with create(path, replace, "w") as f:
+            f.write("".join(line + "\n" for line in quantize_rules_lines(resolution)))
     except OSError as exc:
         raise OutputError(f"{path}: cannot write the llama-quantize rules: {exc.strerror or exc}") from None
     return (f"wrote llama-quantize rules to {path}: pass them before your own rules, llama-quantize "

@@ -20,20 +20,21 @@ from tqdm import tqdm
 
 from ..errors import OutputError
 from ..io.gguf_writer import GGUFLayout, OutputTensor
+from ..io.output_paths import create
 
 ChunksFor = Callable[[OutputTensor], Iterable]
 
 
 class Progress:
-    def __init__(self, total_bytes: int, *, bar: bool, log_json: Path | None = None) -> None:
+    def __init__(self, total_bytes: int, *, bar: bool, log_json: Path | None = None, replace: bool = False) -> None:
         self.total = total_bytes
         self.done = 0
         self.bar = bar
         self.start = time.monotonic()
         self._json: IO[str] | None = None
-        if log_json is not None:
+        if log_json is not None:  # claimed by the run's output guard, created only now
             try:
-                self._json = open(log_json, "w", encoding="utf-8")
+                self._json = create(log_json, replace, "w")
             except OSError as exc:
                 raise OutputError(f"{log_json}: cannot write the JSON progress log: {exc.strerror}") from None
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..errors import OutputError
 from ..io.manifest import IntegrityError, check_hashes, manifest_path, read_manifest
-from ..io.gguf_writer import GGUFLayout, check_output, file_size, header_bytes, partial_path, refuse_partial
+from ..io.gguf_writer import GGUFLayout, file_size, header_bytes
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,6 @@ class OutputFile:
     @classmethod
     def planned(cls, path: Path, layout: GGUFLayout) -> "OutputFile":
         return cls(path, layout, file_size(layout))
-
-
-def refuse_leftovers(files: list[OutputFile], overwrite: bool) -> None:
-    """Without --resume: a file of this output already there is an error, unless --overwrite."""
-    for f in files:
-        check_output(f.path, overwrite)
-        if not overwrite:
-            refuse_partial(partial_path(f.path))
 
 
 def _mismatch(f: OutputFile) -> str | None:

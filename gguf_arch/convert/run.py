@@ -12,16 +12,17 @@ from typing import Callable, Iterable, Iterator
 from ..arch.config import load_config
 from ..arch.keys import ARCH
 from ..arch.transforms import tensor_chunks
-from ..errors import KimiError
-from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, check_output, write_gguf
+from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
+from ..io.output_paths import OutputPaths
 from ..io.safetensors import Checkpoint, open_checkpoint
-from ..io.split import SplitLimits, split_layout
+from ..io.split import SplitLimits, part_path, split_layout
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
 from .preflight import check_free_space
 from .progress import Progress
-from .resume import OutputFile, files_to_write, refuse_leftovers
+from .resume import OutputFile, files_to_write
 from quant_rules.apply import final_chunks, final_outputs
+from quant_rules.options import write_quantize_rules
 from quant_rules.rules import QuantOptions, Resolution
 
 
@@ -34,14 +35,6 @@ def _releasing(chunks: Iterable, ckpt: Checkpoint) -> Iterator:
         ckpt.release_pages()
 
 
-def check_outside_model(model_dir: Path, out: Path) -> None:
-    """The output may not land in the model directory: --overwrite there could replace a shard
-    being read, and a stray GGUF among the shards is taken for part of the checkpoint."""
-    where = out.parent.resolve()
-    if where == model_dir.resolve() or model_dir.resolve() in where.parents:
-        raise KimiError(f"{out}: is inside the model directory {model_dir}; write the GGUF elsewhere")
-
-
 @dataclass(frozen=True)
 class OutputOptions:
     """How the output is written: split limits, resume, progress reporting."""
@@ -50,6 +43,24 @@ class OutputOptions:
     resume: bool = False  # keep verified finished files of an interrupted run, rewrite the rest
     progress_bar: bool = False  # a tqdm bar per file on stderr
     log_json: Path | None = None  # one JSON progress line per tensor
+    export_rules: Path | None = None  # the llama-quantize rules for this conversion's types
+
+
+def claim_outputs(model_dir: Path, files: list[OutputFile], todo: list[OutputFile] | None, output: OutputOptions,
+                  replace: bool) -> OutputPaths:
+    """Every file this run writes, for the guard; `todo` None: the part names are not planned yet,
+    `files` then holds one name of the right length."""
+    guard = OutputPaths([(model_dir, "the model directory")])
+    to_write = {id(f) for f in todo or ()}
+    for f in files:
+        written = id(f) in to_write
+        guard.add_gguf(f.path, "the GGUF" if len(files) == 1 else f"part {f.path.name}", replace=replace,
+                       written=written or (todo is None and not output.split.splits))
+    if output.log_json is not None:
+        guard.add(output.log_json, "the JSON progress log (--log-json)", replace=replace)
+    if output.export_rules is not None:
+        guard.add(output.export_rules, "the llama-quantize rules (--export-quantize-rules)", replace=replace)
+    return guard
 
 
 def conversion_layout(plan: ConversionPlan, kv: tuple[KV, ...], quant: QuantOptions,
@@ -66,11 +77,10 @@ def output_files(out: Path, layout: GGUFLayout, split: SplitLimits) -> list[Outp
     return [OutputFile.planned(path, part) for path, part in split_layout(out, layout, split)]
 
 
-def _files_to_write(files: list[OutputFile], overwrite: bool, resume: bool, log) -> list[OutputFile]:
-    if resume:
-        return files_to_write(files, log)
-    refuse_leftovers(files, overwrite)
-    return files
+def _first_name(out: Path, split: SplitLimits) -> OutputFile:
+    """The output's one file, or a part name of the length every part name has (for the early check)."""
+    empty = GGUFLayout(ARCH, (), ())
+    return OutputFile(part_path(out, 1, 1) if split.splits else out, empty, 0)
 
 
 def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log) -> None:
@@ -82,7 +92,7 @@ def _write_files(files: list[OutputFile], source_chunks, progress: Progress, rep
             write_gguf(f.path, f.layout, chunks_for, replace)
         finally:
             close_bar()
-        write_manifest(f.path, hasher.digests)
+        write_manifest(f.path, hasher.digests, replace)
         log(f"wrote {f.path}")
 
 
@@ -91,9 +101,9 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
             log: Callable[[str], None] = print) -> Ledger:
     """Convert a checkpoint directory to one GGUF file (or split parts); returns the ledger counts."""
     model_dir, out = Path(model_dir), Path(out)
-    check_outside_model(model_dir, out)
-    if not output.resume and output.split == SplitLimits():
-        check_output(out, overwrite)  # before the work of planning; split part names need the plan
+    replace = overwrite or output.resume
+    # Before the work of planning: the places and names (and OUT itself when it is one file).
+    claim_outputs(model_dir, [_first_name(out, output.split)], None, output, replace).check()
     cfg = load_config(model_dir)
     with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
         plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
@@ -103,8 +113,11 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
             log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
         layout, types = conversion_layout(plan, kv, quant, log)
         files = output_files(out, layout, output.split)
-        todo = _files_to_write(files, overwrite, output.resume, log)
+        todo = files_to_write(files, log) if output.resume else files
+        claim_outputs(model_dir, files, todo, output, replace).check()
         check_free_space(out.parent, sum(f.size for f in todo))
+        if output.export_rules is not None:
+            log(write_quantize_rules(output.export_rules, types, replace))
         by_name = {p.output.name: p.tensor for p in plan.outputs}
         decided = {d.name: d for d in types.decisions}
 
@@ -112,9 +125,9 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
             d = decided[t.name]
             return _releasing(final_chunks(d, tensor_chunks(by_name[t.name], d.contract_type, ckpt.read), log), ckpt)
         progress = Progress(sum(t.nbytes for f in todo for t in f.layout.tensors), bar=output.progress_bar,
-                            log_json=output.log_json)
+                            log_json=output.log_json, replace=replace)
         try:
-            _write_files(todo, source_chunks, progress, overwrite or output.resume, log)
+            _write_files(todo, source_chunks, progress, replace, log)
         finally:
             progress.close()
     return plan.ledger

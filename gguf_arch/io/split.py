@@ -40,6 +40,11 @@ class SplitLimits:
     max_bytes: int = 0  # 0: no size limit
     max_tensors: int = 0  # 0: no tensor-count limit
 
+    @property
+    def splits(self) -> bool:
+        """Whether any limit is set (the output may then be parts, named as parts)."""
+        return bool(self.max_bytes or self.max_tensors)
+
 
 def parse_size(text: str) -> int:
     """`--split-max-size` value: a positive integer, optionally followed by K, M or G (powers of 1000)."""

@@ -23,6 +23,7 @@ from typing import Iterator
 from ..arch.config import K3Config, parse_config
 from ..arch.tensors import plan_tensors
 from ..errors import OutputError, run_cli
+from ..io.output_paths import create
 from ..io.safetensors import INDEX_FILE
 from ..io.safetensors_write import StreamedTensor, write_safetensors
 from .config import DIMENSIONS, PRESETS, VARIANTS, build_config, vision_shapes
@@ -105,8 +106,9 @@ def _prepare_dir(out_dir: Path, keep: set[str], overwrite: bool) -> None:
 
 
 def _dump(path: Path, obj: dict, sort_keys: bool) -> None:
-    # No trailing newline, 2-space indent: as the released files.
-    path.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys), encoding="utf-8")
+    # No trailing newline, 2-space indent: as the released files. Never through a link in the directory.
+    with create(path, replace=True, mode="w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=sort_keys))
 
 
 def write_checkpoint(plan: CheckpointPlan, out_dir: Path, overwrite: bool = False) -> None:
