@@ -7,7 +7,6 @@ errors go to stderr, as llama.cpp logs them.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import Counter
@@ -18,23 +17,18 @@ from typing import Any, Sequence, TextIO
 import ggml
 import numpy as np
 
-from gguf_arch.arch import keys as K
 from gguf_arch.arch.config import K3Config
-from gguf_arch.errors import KimiError, run_cli
-from gguf_arch.arch.tensors import plan_tensors
+from gguf_arch.errors import run_cli
 
-from .loader import GGUFWeights, config_from_metadata, load_gguf
+from .loader import config_from_metadata, load_gguf
 from .graph import DSA_PATHS
 from .model import Model
 from .perplexity import chunk_count, perplexity
 from .sampling import DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams
 from .tokenizer import BPETokenizer
+from .validation import UsageError, apply_overrides, check_options, tokenizer_settings
 
 DEFAULT_CTX = 4096  # llama-cli's -c default
-
-
-class UsageError(KimiError):
-    """A command-line argument is malformed or inconsistent (exit code 2)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,21 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
     return p
-
-
-def _check_args(a: argparse.Namespace) -> None:
-    if a.perplexity and a.file is None:
-        raise UsageError("kimi-k3-cli: --perplexity needs -f FILE")
-    if not a.perplexity and a.prompt is None and a.file is None:
-        raise UsageError("kimi-k3-cli: give a prompt with -p TEXT or -f FILE")
-    for name, value, low in (("-c/--ctx-size", a.ctx_size, 0), ("-t/--threads", a.threads or 1, 1),
-                             ("--temp", a.temp, 0.0), ("--min-p", a.min_p, 0.0)):
-        if value < low:
-            raise UsageError(f"kimi-k3-cli: {name} must be >= {low}, got {value}")
-    if not 0.0 <= a.top_p <= 1.0:
-        raise UsageError(f"kimi-k3-cli: --top-p must be in [0, 1], got {a.top_p}")
-    if a.repack and a.exact_experts:
-        raise UsageError("kimi-k3-cli: --repack applies to the fast path, not with --exact-experts")
 
 
 def _read_text(path: Path) -> str:
@@ -217,48 +196,6 @@ def generate(model: Model, tokenizer: BPETokenizer, prompt_ids: Sequence[int], s
 # ---------------------------------------------------------------------------------------------
 
 # Tokenizer keys the runner reads, and the BPETokenizer attribute each one sets.
-_TOKENIZER_OVERRIDES = {"tokenizer.ggml.bos_token_id": "bos_id", "tokenizer.ggml.eos_token_id": "eos_id",
-                        "tokenizer.ggml.add_bos_token": "add_bos"}
-
-
-def _override_type_matches(value: Any, current: Any) -> bool:
-    # bool is an int subclass: compare exact types, except that an int may override a float.
-    return type(value) is type(current) or (type(value) is int and type(current) is float)
-
-
-def apply_kv_overrides(weights: GGUFWeights, tokenizer: BPETokenizer, overrides: dict[str, Any]) -> None:
-    """Apply --override-kv values to what the runner reads: the kimi-k3 keys (the config is rebuilt
-    and re-checked from them) and the tokenizer's special ids and add-BOS flag.
-
-    A value may change anything but the tensor layout: the tensors were validated against the
-    file's own keys, and a ggml op on a mis-shaped tensor aborts the process.
-    """
-    where = f"{weights.path}: --override-kv"
-    meta = dict(weights.metadata)
-    for key, value in overrides.items():
-        if key not in meta:
-            raise UsageError(f"{where} {key}: the GGUF has no such key")
-        if not key.startswith(f"{K.ARCH}.") and key not in _TOKENIZER_OVERRIDES:
-            raise UsageError(f"{where} {key}: not a key this runner reads (kimi-k3.* or "
-                             f"{', '.join(_TOKENIZER_OVERRIDES)})")
-        if not _override_type_matches(value, meta[key]):
-            raise UsageError(f"{where} {key}: the file stores a {type(meta[key]).__name__}, "
-                             f"the override is a {type(value).__name__}")
-        meta[key] = float(value) if type(meta[key]) is float else value
-    cfg = config_from_metadata(meta, where)
-    if _layout(cfg) != _layout(weights.cfg):
-        raise UsageError(f"{where}: {', '.join(overrides)} would change the tensor layout; only values "
-                         "that keep every tensor's shape can be overridden")
-    weights.cfg, weights.metadata = cfg, meta
-    for key, attr in _TOKENIZER_OVERRIDES.items():
-        if key in overrides:
-            setattr(tokenizer, attr, overrides[key])
-
-
-def _layout(cfg: K3Config) -> list[tuple[str, tuple[int, ...]]]:
-    return [(p.name, p.shape) for p in plan_tensors(cfg)]
-
-
 def _context_size(requested: int, cfg: K3Config) -> int:
     if requested == 0:
         return cfg.context_length
@@ -269,13 +206,20 @@ def _context_size(requested: int, cfg: K3Config) -> int:
 
 def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
     """The model and tokenizer as the arguments ask for them."""
-    weights = load_gguf(args.model, repack=args.repack)
+    overrides = dict(args.override_kv)
+
+    def adjust(meta: dict[str, Any], cfg: K3Config) -> tuple[dict[str, Any], K3Config]:
+        # Before any ggml object: the overrides and the context size against the model's.
+        meta, cfg = apply_overrides(meta, cfg, overrides, str(args.model), config_from_metadata)
+        _context_size(args.ctx_size, cfg)
+        return meta, cfg
+    weights = load_gguf(args.model, repack=args.repack, adjust=adjust)
     try:
         tokenizer = BPETokenizer.from_gguf(weights.path)
-        apply_kv_overrides(weights, tokenizer, dict(args.override_kv))
+        for attr, value in tokenizer_settings(overrides).items():
+            setattr(tokenizer, attr, value)
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
-                      dsa=args.dsa == "on", top_k=None, n_threads=args.threads or os.cpu_count() or 1,
-                      dsa_path=args.dsa_path)
+                      dsa=args.dsa == "on", top_k=None, n_threads=args.threads, dsa_path=args.dsa_path)
     except BaseException:
         weights.close()
         raise
@@ -364,7 +308,7 @@ def _run_generation(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
 
 
 def run(args: argparse.Namespace) -> None:
-    _check_args(args)
+    _log(check_options(args))
     text = _read_text(args.file) if args.file is not None else args.prompt
     timings = Timings()
     t = time.perf_counter()

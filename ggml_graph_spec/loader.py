@@ -19,7 +19,7 @@ import ctypes
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ggml
 import numpy as np
@@ -30,6 +30,7 @@ from gguf_arch.arch import keys as K
 from gguf_arch.arch.config import IndexerConfig, K3Config, KDAConfig
 from gguf_arch.errors import GGUFError
 from gguf_arch.io.gguf_file import open_gguf
+from gguf_arch.io.gguf_values import problem as value_problem
 from gguf_arch.io.split import part_paths
 from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
@@ -146,8 +147,11 @@ def _same(want: Any, got: Any, vtype: GGUFValueType) -> bool:
 
 
 def _check_against_key_table(cfg: K3Config, meta: Mapping[str, Any], where: str) -> None:
-    for key, want, vtype, _sub in K.model_keys(cfg):
+    for key, want, vtype, sub in K.model_keys(cfg):
         got = _need(meta, key, where)
+        why = value_problem(vtype, got, sub)  # a NaN, or a negative value stored in a signed type
+        if why is not None:
+            raise GGUFError(f"{where}: metadata {key} {why}")
         if not _same(want, got, vtype):
             raise GGUFError(f"{where}: metadata {key} is {got!r}, expected {want!r} "
                             "(inconsistent with the other kimi-k3 keys)")
@@ -156,7 +160,12 @@ def _check_against_key_table(cfg: K3Config, meta: Mapping[str, Any], where: str)
                         f"layers {list(cfg.mla_layers)} (head_count_kv == 1)")
     for name, value in (("vocab_size", cfg.vocab_size), ("embedding_length", cfg.hidden_size),
                         ("block_count", cfg.num_layers), ("expert_count", cfg.num_experts),
-                        ("kda.head_dim", cfg.kda.head_dim), ("ssm.conv_kernel", cfg.kda.conv_kernel)):
+                        ("kda.head_dim", cfg.kda.head_dim), ("ssm.conv_kernel", cfg.kda.conv_kernel),
+                        # the AttnRes block and the indexer's top-k divide or size the graph
+                        ("attn_res.block_size", cfg.attn_res_block_size),
+                        *((("attention.indexer.top_k", cfg.indexer.top_k), ("attention.indexer.head_count",
+                            cfg.indexer.n_heads), ("attention.indexer.key_length", cfg.indexer.head_dim))
+                          if cfg.indexer is not None else ())):
         if value < 1:
             raise GGUFError(f"{where}: {K.ARCH}.{name} must be >= 1, got {value}")
     for name, value in (("activation.situ_beta", cfg.situ_beta), ("activation.situ_linear_beta", cfg.situ_linear_beta),
@@ -308,10 +317,15 @@ def _source(files: list[_MappedFile], found: Mapping[str, tuple[int, Any]], name
                   int(t.n_bytes))
 
 
-def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
+Adjust = Callable[[dict[str, Any], K3Config], tuple[dict[str, Any], K3Config]]
+
+
+def load_gguf(path: Path | str, *, repack: bool = False, adjust: Adjust | None = None) -> GGUFWeights:
     """Open, validate and map a kimi-k3 GGUF (single file or the first file of a split).
 
-    repack: copy the routed experts into ggml's repacked layout (module docstring)."""
+    repack: copy the routed experts into ggml's repacked layout (module docstring). adjust:
+    (metadata, config) -> (metadata, config), run after every check and before the first ggml
+    object, so what it refuses (the runner's --override-kv) never reaches ggml."""
     path = Path(path)
     first = open_gguf(path)
     paths = part_paths(path, first)
@@ -326,6 +340,8 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
             _tensor_bytes_in_file(r, t, str(p))
             found[t.name] = (i, t)
     present = check_tensors(cfg, {n: t for n, (_, t) in found.items()}, str(path))
+    if adjust is not None:
+        meta, cfg = adjust(meta, cfg)
 
     files = [_MappedFile.wrap(r) for r in readers]
     try:

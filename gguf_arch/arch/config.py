@@ -9,12 +9,15 @@ Layer lists in the file are 1-based; everything this module returns is 0-based.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gguf import GGUFValueType as T
+
 from ..errors import ConfigError
+from ..io.gguf_values import describe
+from ..io.gguf_values import problem as value_problem
 from ..io.jsonfile import read_json
 
 TOP_LEVEL_ARCH = "KimiK3ForConditionalGeneration"
@@ -93,11 +96,19 @@ _FIXED_VALUES: dict[str, Any] = {
 }
 
 
+# What each kind becomes in the GGUF: every integer field of K3 is written as (or checked against)
+# a uint32 key, every float as a float32 one; a value that type cannot hold is refused here, with
+# the field's name, not as a struct.error while the header is packed.
+_GGUF_TYPE = {_Int: T.UINT32, _Float: T.FLOAT32}
+
+
+def _kind_text(kind: str) -> str:
+    return describe(_GGUF_TYPE[kind]) if kind in _GGUF_TYPE else kind
+
+
 def _type_ok(kind: str, value: Any) -> bool:
-    if kind == _Int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == _Float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind in _GGUF_TYPE:
+        return value_problem(_GGUF_TYPE[kind], value) is None
     if kind == _Bool:
         return isinstance(value, bool)
     if kind == _Str:
@@ -222,7 +233,7 @@ def _collect(section: dict, fields: dict[str, str], where: str, missing: list[st
         if name not in section:
             missing.append(f"{where}{name}")
         elif not _type_ok(kind, section[name]):
-            wrong.append(f"{where}{name} must be {kind}, got {section[name]!r}")
+            wrong.append(f"{where}{name} must be {_kind_text(kind)}, got {section[name]!r}")
         else:
             out[name] = section[name]
     return out

@@ -26,7 +26,8 @@ from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import WriterState
 
-from ..errors import OutputError
+from ..errors import KimiError, OutputError
+from .gguf_values import problem as value_problem
 from .output_paths import check_existing, create, partial_path
 from .pipeline import SerialWorker
 
@@ -77,6 +78,9 @@ def _header_writer(layout: GGUFLayout) -> GGUFWriter:
     # A later split part has no architecture key: gguf-py's add_string skips the empty value.
     w = GGUFWriter(None, layout.arch or "")
     for key, value, vtype, sub_type in layout.kv:
+        why = value_problem(vtype, value, sub_type)
+        if why is not None:  # a derived value (a sum of two fields) can overflow what each field fit
+            raise KimiError(f"GGUF key {key} {why}")
         w.add_key_value(key, value, vtype, sub_type)
     for t in layout.tensors:
         # A uint8 byte shape plus raw_dtype is gguf-py's way to declare a tensor of any type.
