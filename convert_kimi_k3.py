@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", type=Path, metavar="FILE",
                    help="write one JSON progress line per tensor to FILE (file, tensor, bytes done/total, "
                         "elapsed, rate)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="write tensors holding NaN or inf (one warning line per tensor) instead of refusing them")
     p.add_argument("--verify", type=Path, metavar="OUT.gguf",
                    help="re-check OUT.gguf against its .sha256.json manifest and every tensor against MODEL_DIR")
     add_quant_arguments(p)
@@ -83,7 +85,8 @@ def _run(args: argparse.Namespace, log) -> None:
         _list_only(args, quant, split, log)
         return
     output = OutputOptions(split, args.resume, progress_bar=not args.quiet and sys.stderr.isatty(),
-                           log_json=args.log_json, export_rules=args.export_quantize_rules)
+                           log_json=args.log_json, export_rules=args.export_quantize_rules,
+                           allow_non_finite=args.allow_non_finite)
     convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant,
             output=output, log=log)
 

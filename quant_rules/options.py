@@ -153,7 +153,7 @@ def quantize_rules_lines(resolution: Resolution) -> list[str]:
     return lines
 
 
-def write_quantize_rules(path: Path, resolution: Resolution, replace: bool) -> str:
+def write_quantize_rules(path: Path, resolution: Resolution, replace: bool = False) -> str:
     """Write the export (a path the run's output guard claimed); returns the line that says how to
     use it with llama-quantize."""
     try:

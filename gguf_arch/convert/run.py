@@ -17,6 +17,7 @@ from ..io.manifest import TensorHasher, write_manifest
 from ..io.output_paths import OutputPaths
 from ..io.safetensors import Checkpoint, open_checkpoint
 from ..io.split import SplitLimits, part_path, split_layout
+from .finite import checked_chunks
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
 from .preflight import check_free_space
 from .progress import Progress
@@ -44,6 +45,7 @@ class OutputOptions:
     progress_bar: bool = False  # a tqdm bar per file on stderr
     log_json: Path | None = None  # one JSON progress line per tensor
     export_rules: Path | None = None  # the llama-quantize rules for this conversion's types
+    allow_non_finite: bool = False  # write NaN/inf values with a warning instead of refusing them
 
 
 def claim_outputs(model_dir: Path, files: list[OutputFile], todo: list[OutputFile] | None, output: OutputOptions,
@@ -122,8 +124,9 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
         decided = {d.name: d for d in types.decisions}
 
         def source_chunks(t: OutputTensor) -> Iterator:
-            d = decided[t.name]
-            return _releasing(final_chunks(d, tensor_chunks(by_name[t.name], d.contract_type, ckpt.read), log), ckpt)
+            d, pt = decided[t.name], by_name[t.name]
+            chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read), log)
+            return _releasing(checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite), ckpt)
         progress = Progress(sum(t.nbytes for f in todo for t in f.layout.tensors), bar=output.progress_bar,
                             log_json=output.log_json, replace=replace)
         try:

@@ -147,12 +147,38 @@ def _first_mismatch(plan: PlannedTensor, chunk: Chunk, bad: np.ndarray, expected
     return Mismatch(flat, coords, float(expected[r, c]), float(found[r, c]), chunk.unit)
 
 
-def _bad_values(expected: np.ndarray, found: np.ndarray, qtype: Q, exact: bool) -> np.ndarray:
-    both_nan = np.isnan(expected) & np.isnan(found)
-    if not exact:
+# The largest finite magnitude a type's values (or its f16 block scales) hold: an expected value
+# beyond it has no finite encoding, so a non-finite value found there is what the type gives.
+_F16_MAX = float(np.finfo(np.float16).max)
+_FINITE_MAX = {Q.F16: _F16_MAX, Q.BF16: 3.3895313892515355e38, Q.Q8_0: _F16_MAX, Q.Q4_0: _F16_MAX,
+               Q.Q4_1: _F16_MAX, Q.Q5_0: _F16_MAX, Q.Q5_1: _F16_MAX}
+
+
+def _non_finite_agrees(expected: np.ndarray, found: np.ndarray, qtype: Q) -> np.ndarray:
+    """Where a value found is right although the reference is not finite, or it is not: the
+    reference is non-finite there too, the MXFP4 block has a NaN scale, or the expected value (of
+    its block, for block types) is beyond what the type can hold finitely."""
+    agrees = ~np.isfinite(expected) & ~np.isfinite(found)
+    if qtype == Q.MXFP4:
+        # A block whose E8M0 scale is NaN (0xFF) is NaN by the format; ggml decodes it as 2^127
+        # times its nibbles (0, huge, inf): none of those values means anything to compare.
+        agrees |= np.isnan(expected)
+    limit = _FINITE_MAX.get(qtype)
+    if limit is not None:
+        block = GGML_QUANT_SIZES[qtype][0]
         with np.errstate(invalid="ignore"):
-            return ~(both_nan | (np.abs(found.astype(np.float64) - expected) <= BOUNDS[qtype](expected)))
-    same = (found == expected) | both_nan
+            over = np.abs(expected) > limit
+        over = np.repeat(over.reshape(*over.shape[:-1], -1, block).any(axis=-1), block, axis=-1)
+        agrees |= over.reshape(found.shape) & ~np.isfinite(found)
+    return agrees
+
+
+def _bad_values(expected: np.ndarray, found: np.ndarray, qtype: Q, exact: bool) -> np.ndarray:
+    agreed = _non_finite_agrees(expected, found, qtype)
+    if not exact:
+        with np.errstate(invalid="ignore", over="ignore"):
+            return ~(agreed | (np.abs(found.astype(np.float64) - expected) <= BOUNDS[qtype](expected)))
+    same = (found == expected) | agreed
     if qtype != Q.MXFP4:  # ggml's MXFP4 table has no -0; the float types keep the sign of zero
         same &= np.signbit(found) == np.signbit(expected)
     return ~same
@@ -162,7 +188,8 @@ def _compare(gguf: _GGUF, plan: PlannedTensor, chunks: Iterable[Chunk], qtype: Q
     """First mismatch of the tensor, or of each unit (expert) when the chunks name units."""
     found_bad: list[Mismatch] = []
     for chunk in chunks:
-        found = dequantize(gguf.rows(plan.name, chunk.row, len(chunk.values)), qtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite values are compared, not warned about
+            found = dequantize(gguf.rows(plan.name, chunk.row, len(chunk.values)), qtype)
         bad = _bad_values(chunk.values, found.reshape(chunk.values.shape), qtype, exact)
         if bad.any():
             found_bad.append(_first_mismatch(plan, chunk, bad, chunk.values, found.reshape(chunk.values.shape)))
