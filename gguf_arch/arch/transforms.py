@@ -2,7 +2,7 @@
 
 Each transform reads its sources through `read(name) -> (safetensors dtype, raw numpy view)` and
 yields the output tensor's bytes in order as bounded chunks. A same-precision copy yields slices of
-the memory-mapped source itself, so a 12288 x 7168 bf16 projection is streamed, never copied; only
+the source read in bounded ranges, so a 12288 x 7168 bf16 projection is streamed, never held whole; only
 the small per-layer tensors that need arithmetic (A_log, AttnRes scores, kv_b halves, f32 casts)
 and one expert matrix at a time are materialised.
 """
@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from ..errors import CheckpointError
 from .mxfp4 import repack_to_ggml
 from ..io.pipeline import ahead
-from ..io.safetensors import to_f32
+from ..io.safetensors import ShardArray, to_f32
 from .tensors import PlannedTensor
 
 Read = Callable[[str], tuple[str, np.ndarray]]
@@ -36,20 +36,26 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def _byte_chunks(a: np.ndarray) -> Chunks:
-    flat = _flat_bytes(a)
-    for start in range(0, flat.size, CHUNK_BYTES):
-        yield memoryview(flat[start:start + CHUNK_BYTES])
+def _flat(a: np.ndarray | ShardArray) -> np.ndarray | ShardArray:
+    """The values in C order, flat; a tensor not yet read stays unread (its slices are read)."""
+    return a.reshape(-1) if isinstance(a, ShardArray) else np.ascontiguousarray(a).reshape(-1)
 
 
-def _cast_chunks(dtype: str, a: np.ndarray, out: Q) -> Chunks:
+def _byte_chunks(a: np.ndarray | ShardArray) -> Chunks:
+    flat = _flat(a)
+    step = max(1, CHUNK_BYTES // flat.dtype.itemsize)
+    for start in range(0, flat.size, step):
+        yield memoryview(np.asarray(flat[start:start + step]).view(np.uint8))
+
+
+def _cast_chunks(dtype: str, a: np.ndarray | ShardArray, out: Q) -> Chunks:
     """The array's bytes at the output type: passthrough when it already is that type."""
     if SAME_BYTES.get(dtype) == out:
         yield from _byte_chunks(a)
         return
     if out != Q.F32:
         raise ValueError(f"no conversion from {dtype} to {out.name}")
-    flat = a.reshape(-1)
+    flat = _flat(a)
     step = CHUNK_BYTES // 4
     for start in range(0, flat.size, step):
         yield memoryview(_flat_bytes(to_f32(dtype, flat[start:start + step])))
@@ -117,7 +123,7 @@ def mxfp4_experts(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
     if out != Q.MXFP4:
         raise ValueError(f"{pt.name}: routed experts are written as MXFP4, not {out.name}")
     names = [name for name, _ in pt.sources]
-    pairs = ((read(p)[1], read(s)[1]) for p, s in zip(names[0::2], names[1::2]))
+    pairs = ((np.asarray(read(p)[1]), np.asarray(read(s)[1])) for p, s in zip(names[0::2], names[1::2]))
     for block in ahead(_repack, pairs, REPACK_AHEAD):
         yield memoryview(block)
 

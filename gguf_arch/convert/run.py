@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 from ..arch.config import load_config
 from ..arch.keys import ARCH
@@ -15,7 +15,7 @@ from ..arch.transforms import tensor_chunks
 from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
 from ..io.output_paths import OutputPaths
-from ..io.safetensors import Checkpoint, open_checkpoint
+from ..io.safetensors import open_checkpoint
 from ..io.split import SplitLimits, part_path, split_layout
 from .finite import checked_chunks
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
@@ -25,15 +25,6 @@ from .resume import OutputFile, files_to_write
 from quant_rules.apply import final_chunks, final_outputs
 from quant_rules.options import write_quantize_rules
 from quant_rules.rules import QuantOptions, Resolution
-
-
-def _releasing(chunks: Iterable, ckpt: Checkpoint) -> Iterator:
-    """Pass chunks through; once the writer has taken one, drop the source pages read so far (bounded
-    RSS). The writer thread may still be copying that chunk: its pages then fault back in from the
-    page cache, the same bytes."""
-    for chunk in chunks:
-        yield chunk
-        ckpt.release_pages()
 
 
 @dataclass(frozen=True)
@@ -126,7 +117,7 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
         def source_chunks(t: OutputTensor) -> Iterator:
             d, pt = decided[t.name], by_name[t.name]
             chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read), log)
-            return _releasing(checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite), ckpt)
+            return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite)
         progress = Progress(sum(t.nbytes for f in todo for t in f.layout.tensors), bar=output.progress_bar,
                             log_json=output.log_json, replace=replace)
         try:

@@ -130,12 +130,12 @@ class _GGUF:
         self.reader.data.base.madvise(mmap.MADV_DONTNEED)
 
 
-def _releasing(chunks: Iterable[Chunk], ckpt: Checkpoint, gguf: _GGUF) -> Iterator[Chunk]:
-    """Pass chunks through; once one is compared, drop the pages it read from both files. Without
-    this every page read stays in the RSS: a whole-model diff would hold the model and the GGUF."""
+def _releasing(chunks: Iterable[Chunk], gguf: _GGUF) -> Iterator[Chunk]:
+    """Pass chunks through; once one is compared, drop the pages it read from the GGUF's map.
+    Without this every page read stays in the RSS: a whole-model diff would hold the GGUF (the
+    checkpoint is read with pread into buffers that go with their chunk)."""
     for chunk in chunks:
         yield chunk
-        ckpt.release_pages()
         gguf.release_pages()
 
 
@@ -244,7 +244,7 @@ def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
     if problem:
         return result(TYPE, problem)
     exact = qtype == want
-    mismatches = _compare(gguf, plan, _releasing(REFERENCES[plan.transform](cfg, plan, sources), ckpt, gguf),
+    mismatches = _compare(gguf, plan, _releasing(REFERENCES[plan.transform](cfg, plan, sources), gguf),
                           qtype, exact)
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_MAX_UNITS_SHOWN])
