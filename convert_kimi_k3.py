@@ -7,7 +7,7 @@
 
 Exit codes: 0 ok, 2 bad input (including a missing or truncated shard), 1 runtime failure (I/O,
 not enough free disk, output exists; with --verify: the first difference from the manifest or the
-checkpoint), 130 Ctrl-C.
+checkpoint), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_files
 from gguf_arch.convert.run import OutputOptions, convert
-from gguf_arch.errors import run_cli
+from gguf_arch.errors import OneLineParser, run_cli
 from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
@@ -26,7 +26,7 @@ from quant_rules.options import (add_quant_arguments, format_tensor_types, quant
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert-kimi-k3", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="convert-kimi-k3", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path, help="checkpoint directory (config.json, index, shards, tokenizer)")
     p.add_argument("out", type=Path, nargs="?", help="output .gguf file (not with --print-tensor-types)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
@@ -91,19 +91,50 @@ def _run(args: argparse.Namespace, log) -> None:
             output=output, log=log)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.verify and args.out is not None:
-        parser.error("--verify takes OUT.gguf MODEL_DIR and no second output")
-    if args.out is None and not args.print_tensor_types and not args.verify:
+# Options that only a conversion reads: (attribute, flag), set when not at their default.
+_WRITING = (("overwrite", "--overwrite"), ("resume", "--resume"), ("split_max_size", "--split-max-size"),
+            ("split_max_tensors", "--split-max-tensors"), ("log_json", "--log-json"),
+            ("allow_non_finite", "--allow-non-finite"))
+_CONVERTING = (*_WRITING, ("no_dsa", "--no-dsa"), ("dry_run", "--dry-run"),
+               ("print_tensor_types", "--print-tensor-types"), ("export_quantize_rules", "--export-quantize-rules"),
+               ("tensor_type", "--tensor-type"), ("tensor_type_file", "--tensor-type-file"),
+               ("output_tensor_type", "--output-tensor-type"), ("token_embedding_type", "--token-embedding-type"),
+               ("requantize_experts", "--requantize-experts"))
+
+
+def _given(args: argparse.Namespace, options) -> list[str]:
+    return [flag for attr, flag in options if getattr(args, attr) not in (None, False, 0, [])]
+
+
+def _refuse_ignored(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A combination whose option would be silently ignored is refused in one line."""
+    if args.verify:
+        ignored = _given(args, _CONVERTING) + (["OUT"] if args.out is not None else [])
+        if ignored:
+            parser.error(f"--verify takes OUT.gguf MODEL_DIR and checks it; {', '.join(ignored)} would be ignored")
+        return
+    if args.print_tensor_types:
+        ignored = _given(args, [o for o in _WRITING if o[0] != "overwrite"]) + (["OUT"] if args.out else [])
+        if ignored:
+            parser.error(f"--print-tensor-types converts nothing; {', '.join(ignored)} would be ignored")
+    elif args.dry_run:
+        ignored = _given(args, [o for o in _WRITING if not o[0].startswith("split") and o[0] != "overwrite"])
+        if ignored:
+            parser.error(f"--dry-run writes nothing; {', '.join(ignored)} would be ignored")
+    if args.out is None and not args.print_tensor_types:
         parser.error("the output file OUT is required unless --print-tensor-types is given")
     if args.resume and args.overwrite:
         parser.error("--resume keeps verified finished files, --overwrite replaces everything: pick one")
     if args.split_max_tensors < 0:
         parser.error("--split-max-tensors must be a positive number of tensors")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _refuse_ignored(parser, args)
     log = (lambda _msg: None) if args.quiet else print
-    return run_cli(lambda: _run(args, log), interrupted="interrupted; no output written")
+    return run_cli(lambda: _run(args, log), interrupted="no output written")
 
 
 if __name__ == "__main__":

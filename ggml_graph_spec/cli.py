@@ -26,7 +26,7 @@ from .model import Model
 from .perplexity import chunk_count, perplexity
 from .sampling import DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams
 from .tokenizer import BPETokenizer
-from .validation import UsageError, apply_overrides, check_options, tokenizer_settings
+from .validation import UsageError, apply_overrides, check_dsa, check_options, tokenizer_settings
 
 DEFAULT_CTX = 4096  # llama-cli's -c default
 
@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=-1, help="RNG seed (-1: random)")
     p.add_argument("--override-kv", type=_override, action="append", default=[], metavar="KEY=TYPE:VALUE",
                    help="override a GGUF metadata value, e.g. kimi-k3.attention.indexer.top_k=int:64 (repeatable)")
-    p.add_argument("--dsa", choices=("on", "off"), default="on",
-                   help="run the DSA indexer of a K3.1-Pro GGUF (off: dense MLA attention)")
+    p.add_argument("--dsa", choices=("on", "off"), default=None,
+                   help="run the DSA indexer of a K3.1-Pro GGUF (default: on; off: dense MLA attention)")
     p.add_argument("--dsa-path", choices=DSA_PATHS, default=None,
                    help="DSA attention: gather = over only the top_k selected cache rows per query, masked = over "
                         "the whole cache with the selection as a mask (same logits to rounding; default: gather, "
@@ -212,6 +212,7 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
         # Before any ggml object: the overrides and the context size against the model's.
         meta, cfg = apply_overrides(meta, cfg, overrides, str(args.model), config_from_metadata)
         _context_size(args.ctx_size, cfg)
+        check_dsa(args.dsa, args.dsa_path, cfg, str(args.model))
         return meta, cfg
     weights = load_gguf(args.model, repack=args.repack, adjust=adjust)
     try:
@@ -219,7 +220,7 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
         for attr, value in tokenizer_settings(overrides).items():
             setattr(tokenizer, attr, value)
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
-                      dsa=args.dsa == "on", top_k=None, n_threads=args.threads, dsa_path=args.dsa_path)
+                      dsa=args.dsa != "off", top_k=None, n_threads=args.threads, dsa_path=args.dsa_path)
     except BaseException:
         weights.close()
         raise

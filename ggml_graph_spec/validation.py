@@ -143,6 +143,15 @@ def apply_overrides(meta: Mapping[str, Any], cfg: K3Config, overrides: Mapping[s
     return new, new_cfg
 
 
+def check_dsa(dsa: str | None, dsa_path: str | None, cfg: K3Config, where: str) -> None:
+    """--dsa on and --dsa-path mean something only with a DSA indexer that runs."""
+    if cfg.indexer is None and dsa == "on":
+        raise UsageError(f"{where}: --dsa on: the GGUF has no DSA indexer (a plain kimi-k3 file); drop --dsa")
+    if dsa_path is not None and (cfg.indexer is None or dsa == "off"):
+        why = "the GGUF has no DSA indexer" if cfg.indexer is None else "--dsa off runs dense attention"
+        raise UsageError(f"{where}: --dsa-path {dsa_path}: {why}, so no DSA path is taken; drop --dsa-path")
+
+
 def tokenizer_settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Tokenizer attribute -> value for the tokenizer keys among the overrides."""
     return {attr: overrides[key] for key, (attr, _t) in TOKENIZER_OVERRIDES.items() if key in overrides}

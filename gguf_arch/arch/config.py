@@ -278,7 +278,7 @@ def _indexer(text: dict, n_layers: int, mla_layers: tuple[int, ...], errors: lis
             errors.append(f"text_config.{f} must be an integer >= 1, got {v!r}")
         vals[f] = v
     layers = _one_based_layers("text_config.index_layers", text["index_layers"], n_layers, errors)
-    if set(layers) != set(mla_layers) or len(layers) != len(mla_layers):
+    if set(layers) != set(mla_layers):  # a duplicate is reported by _one_based_layers, as such
         only_index = sorted(set(layers) - set(mla_layers))
         only_full = sorted(set(mla_layers) - set(layers))
         errors.append(

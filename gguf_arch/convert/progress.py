@@ -32,6 +32,7 @@ class Progress:
         self.bar = bar
         self.start = time.monotonic()
         self._json: IO[str] | None = None
+        self.log_path = log_json
         if log_json is not None:  # claimed by the run's output guard, created only now
             try:
                 self._json = create(log_json, replace, "w")
@@ -60,11 +61,15 @@ class Progress:
         if self._json is None:
             return
         elapsed = time.monotonic() - self.start
-        self._json.write(json.dumps({
+        line = json.dumps({
             "file": path.name, "tensor": tensor, "file_bytes_done": file_done, "file_bytes_total": file_total,
             "bytes_done": self.done, "bytes_total": self.total, "elapsed_s": round(elapsed, 3),
-            "rate_bytes_per_s": round(self.done / elapsed) if elapsed > 0 else 0}) + "\n")
-        self._json.flush()
+            "rate_bytes_per_s": round(self.done / elapsed) if elapsed > 0 else 0})
+        try:
+            self._json.write(line + "\n")
+            self._json.flush()
+        except OSError as exc:  # a full disk names the log, not only its errno
+            raise OutputError(f"{self.log_path}: writing the JSON progress log failed: {exc.strerror}") from None
 
     def close(self) -> None:
         if self._json is not None:

@@ -71,3 +71,22 @@ def files_to_write(files: list[OutputFile], log: Callable[[str], None]) -> list[
             log(f"{f.path}: not a verified finished file ({why}); rewriting it")
             todo.append(f)
     return todo
+
+
+def left_behind(files: list[OutputFile], todo: list[OutputFile], done: list[OutputFile]) -> str:
+    """After an interrupt: what the output holds now, and what --resume would do with it."""
+    written = {id(f) for f in done}
+    finished = [f for f in files if id(f) in written or not any(f is t for t in todo)]
+    unmanifested = [f for f in todo if id(f) not in written and f.path.exists()]
+    if len(files) == 1 and not finished:
+        what = "no output written (its partial file was removed)"
+    elif not finished:
+        what = f"none of the {len(files)} parts complete (the partial file was removed)"
+    else:
+        names = ", ".join(f.path.name for f in finished)
+        what = f"{len(finished)} of {len(files)} parts complete with their manifests ({names})"
+    if unmanifested:
+        what += f"; {unmanifested[0].path.name} is complete but has no manifest yet"
+    if finished or unmanifested:
+        return what + "; the same command with --resume keeps what is complete and writes the rest"
+    return what + "; run the conversion again (--resume has nothing to keep)"

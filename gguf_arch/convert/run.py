@@ -12,8 +12,10 @@ from typing import Callable, Iterator
 from ..arch.config import load_config
 from ..arch.keys import ARCH
 from ..arch.transforms import tensor_chunks
+from ..errors import Interrupted
 from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
+from ..io.output_lock import lock_path, output_lock
 from ..io.output_paths import OutputPaths
 from ..io.safetensors import open_checkpoint
 from ..io.split import SplitLimits, part_path, split_layout
@@ -21,7 +23,7 @@ from .finite import checked_chunks
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
 from .preflight import check_free_space
 from .progress import Progress
-from .resume import OutputFile, files_to_write
+from .resume import OutputFile, files_to_write, left_behind
 from quant_rules.apply import final_chunks, final_outputs
 from quant_rules.options import write_quantize_rules
 from quant_rules.rules import QuantOptions, Resolution
@@ -39,8 +41,8 @@ class OutputOptions:
     allow_non_finite: bool = False  # write NaN/inf values with a warning instead of refusing them
 
 
-def claim_outputs(model_dir: Path, files: list[OutputFile], todo: list[OutputFile] | None, output: OutputOptions,
-                  replace: bool) -> OutputPaths:
+def claim_outputs(model_dir: Path, out: Path, files: list[OutputFile], todo: list[OutputFile] | None,
+                  output: OutputOptions, replace: bool) -> OutputPaths:
     """Every file this run writes, for the guard; `todo` None: the part names are not planned yet,
     `files` then holds one name of the right length."""
     guard = OutputPaths([(model_dir, "the model directory")])
@@ -53,6 +55,7 @@ def claim_outputs(model_dir: Path, files: list[OutputFile], todo: list[OutputFil
         guard.add(output.log_json, "the JSON progress log (--log-json)", replace=replace)
     if output.export_rules is not None:
         guard.add(output.export_rules, "the llama-quantize rules (--export-quantize-rules)", replace=replace)
+    guard.add(lock_path(out), "the output's lock file", replace=True, written=False)  # taken over, not replaced
     return guard
 
 
@@ -76,7 +79,8 @@ def _first_name(out: Path, split: SplitLimits) -> OutputFile:
     return OutputFile(part_path(out, 1, 1) if split.splits else out, empty, 0)
 
 
-def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log) -> None:
+def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log,
+                 done: list[OutputFile]) -> None:
     """Each file streamed, renamed into place, then its manifest; one file at a time."""
     for f in files:
         hasher = TensorHasher()
@@ -86,7 +90,47 @@ def _write_files(files: list[OutputFile], source_chunks, progress: Progress, rep
         finally:
             close_bar()
         write_manifest(f.path, hasher.digests, replace)
+        done.append(f)
         log(f"wrote {f.path}")
+
+
+@dataclass(frozen=True)
+class _Planned:
+    plan: ConversionPlan
+    types: Resolution
+    files: list[OutputFile]
+    todo: list[OutputFile]
+
+
+def _plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOptions, output: OutputOptions,
+                log) -> _Planned:
+    plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
+    kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
+    log(plan.ledger.summary())
+    if cfg.indexer is not None and not dsa:
+        log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
+    layout, types = conversion_layout(plan, kv, quant, log)
+    files = output_files(out, layout, output.split)
+    return _Planned(plan, types, files, files_to_write(files, log) if output.resume else files)
+
+
+def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> None:
+    by_name = {o.output.name: o.tensor for o in p.plan.outputs}
+    decided = {d.name: d for d in p.types.decisions}
+
+    def source_chunks(t: OutputTensor) -> Iterator:
+        d, pt = decided[t.name], by_name[t.name]
+        chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read), log)
+        return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite)
+    progress = Progress(sum(t.nbytes for f in p.todo for t in f.layout.tensors), bar=output.progress_bar,
+                        log_json=output.log_json, replace=replace)
+    done: list[OutputFile] = []
+    try:
+        _write_files(p.todo, source_chunks, progress, replace, log, done)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        raise Interrupted.from_exc(exc, left_behind(p.files, p.todo, done)) from None
+    finally:
+        progress.close()
 
 
 def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
@@ -95,33 +139,18 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
     """Convert a checkpoint directory to one GGUF file (or split parts); returns the ledger counts."""
     model_dir, out = Path(model_dir), Path(out)
     replace = overwrite or output.resume
-    # Before the work of planning: the places and names (and OUT itself when it is one file).
-    claim_outputs(model_dir, [_first_name(out, output.split)], None, output, replace).check()
-    cfg = load_config(model_dir)
-    with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
-        plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
-        kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
-        log(plan.ledger.summary())
-        if cfg.indexer is not None and not dsa:
-            log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
-        layout, types = conversion_layout(plan, kv, quant, log)
-        files = output_files(out, layout, output.split)
-        todo = files_to_write(files, log) if output.resume else files
-        claim_outputs(model_dir, files, todo, output, replace).check()
-        check_free_space(out.parent, sum(f.size for f in todo))
-        if output.export_rules is not None:
-            log(write_quantize_rules(output.export_rules, types, replace))
-        by_name = {p.output.name: p.tensor for p in plan.outputs}
-        decided = {d.name: d for d in types.decisions}
-
-        def source_chunks(t: OutputTensor) -> Iterator:
-            d, pt = decided[t.name], by_name[t.name]
-            chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read), log)
-            return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite)
-        progress = Progress(sum(t.nbytes for f in todo for t in f.layout.tensors), bar=output.progress_bar,
-                            log_json=output.log_json, replace=replace)
-        try:
-            _write_files(todo, source_chunks, progress, replace, log)
-        finally:
-            progress.close()
-    return plan.ledger
+    # Before the work of planning: the places and names, then the lock, then OUT itself when it
+    # is one file (the part names need the plan).
+    early = claim_outputs(model_dir, out, [_first_name(out, output.split)], None, output, replace)
+    early.check(existing=False)
+    with output_lock(out):
+        early.check()
+        cfg = load_config(model_dir)
+        with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
+            p = _plan_files(cfg, ckpt, model_dir, out, dsa, quant, output, log)
+            claim_outputs(model_dir, out, p.files, p.todo, output, replace).check()
+            check_free_space(out.parent, sum(f.size for f in p.todo))
+            if output.export_rules is not None:
+                log(write_quantize_rules(output.export_rules, p.types, replace))
+            _write_all(p, ckpt, output, replace, log)
+    return p.plan.ledger

@@ -120,6 +120,9 @@ def check_existing(path: Path, replace: bool, what: str = "the output") -> None:
                           "the conversion that wrote it)")
     if path.is_dir() and not path.is_symlink():
         raise OutputError(f"{path}: is a directory")
+    if os.path.lexists(path) and not (path.is_symlink() or path.is_file()):
+        # --overwrite unlinks what it replaces: never a device (/dev/null), FIFO or socket
+        raise OutputError(f"{path}: is not a regular file (a device, FIFO or socket); refusing to replace it")
     if not path.parent.is_dir():
         raise OutputError(f"{path}: cannot write {what}: output directory does not exist ({path.parent})")
 

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from ..arch.config import K3Config, parse_config
 from ..arch.tensors import plan_tensors
-from ..errors import OutputError, run_cli
+from ..errors import OneLineParser, OutputError, run_cli
 from ..io.output_paths import create
 from ..io.safetensors import INDEX_FILE
 from ..io.safetensors_write import StreamedTensor, write_safetensors
@@ -116,7 +116,11 @@ def write_checkpoint(plan: CheckpointPlan, out_dir: Path, overwrite: bool = Fals
     _prepare_dir(out_dir, {s.filename for s in plan.shards}, overwrite)
     weight_map = {}
     for shard in plan.shards:
-        write_safetensors(out_dir / shard.filename, shard.tensors, SHARD_METADATA)
+        path = out_dir / shard.filename
+        try:
+            write_safetensors(path, shard.tensors, SHARD_METADATA)
+        except OSError as exc:  # a full disk names the shard, not only its errno
+            raise OutputError(f"writing {path} failed: {exc.strerror or exc}") from None
         weight_map.update((t.name, shard.filename) for t in shard.tensors)
     index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
     _dump(out_dir / INDEX_FILE, index, sort_keys=False)
@@ -125,7 +129,7 @@ def write_checkpoint(plan: CheckpointPlan, out_dir: Path, overwrite: bool = Fals
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="kimi-k3-synth",
         description="Write a seeded random Kimi K3 / K3.1-Pro checkpoint in the released on-disk format.")
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR")

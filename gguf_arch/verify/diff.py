@@ -35,7 +35,7 @@ from gguf.quants import dequantize
 
 from ..arch.config import K3Config, load_config
 from ..arch.tensors import TABLE, PlannedTensor, plan_tensors
-from ..errors import CheckpointError, KimiError, run_cli
+from ..errors import CheckpointError, KimiError, OneLineParser, run_cli
 from ..io.gguf_file import open_gguf
 from ..io.safetensors import Checkpoint, open_checkpoint
 from .bounds import BOUNDS
@@ -335,7 +335,7 @@ def _parse_layers(text: str) -> list[int] | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kimi-k3-diff",
         description="Compare a kimi-k3 GGUF tensor by tensor with the HF checkpoint it was converted from. "
                     "Exit 0: everything matches; 1: a difference; 2: bad input.")
