@@ -31,7 +31,7 @@ from gguf_arch.arch.config import IndexerConfig, K3Config, KDAConfig
 from gguf_arch.errors import GGUFError
 from gguf_arch.io.gguf_file import open_gguf
 from gguf_arch.io.gguf_values import problem as value_problem
-from gguf_arch.io.split import part_paths
+from gguf_arch.io.split_names import part_paths
 from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, plan_tensors
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 

@@ -23,7 +23,10 @@ from .tensors import PlannedTensor
 Read = Callable[[str], tuple[str, np.ndarray]]
 Chunks = Iterator[memoryview]  # flat uint8 views
 
-CHUNK_BYTES = 64 * 1024 * 1024
+# 16 MiB: below glibc's largest mmap threshold (32 MiB), so the pread buffers of a stream are
+# reused heap memory; fresh 64 MiB buffers cost twice the CPU in page faults (measured 0.34 vs
+# 0.16 CPU-s per GB read from the page cache).
+CHUNK_BYTES = 16 * 1024 * 1024
 # Experts repacked ahead of the writer: a real expert matrix is 5.8 MB, so a few dozen MB at most.
 REPACK_AHEAD = min(8, os.cpu_count() or 1)
 

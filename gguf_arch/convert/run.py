@@ -18,7 +18,8 @@ from ..io.manifest import TensorHasher, write_manifest
 from ..io.output_lock import lock_path, output_lock
 from ..io.output_paths import OutputPaths
 from ..io.safetensors import open_checkpoint
-from ..io.split import SplitLimits, part_path, split_layout
+from ..io.split import SplitLimits, split_layout
+from ..io.split_names import part_path
 from .finite import checked_chunks
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
 from .preflight import check_free_space

@@ -170,8 +170,9 @@ def shard_stamp(path: Path) -> Stamp:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-# Tensors up to this size are read whole; larger ones come as a `ShardArray` read in row ranges.
-WHOLE_BYTES = 64 << 20
+# Tensors up to this size are read whole; larger ones come as a `ShardArray` read in row ranges
+# (the size of the transforms' chunks: see CHUNK_BYTES there).
+WHOLE_BYTES = 16 << 20
 
 
 def _pread_into(fd: int, buf: np.ndarray, offset: int, where: str, shard_size: int) -> None:

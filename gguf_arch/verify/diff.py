@@ -35,9 +35,10 @@ from gguf.quants import dequantize
 
 from ..arch.config import K3Config, load_config
 from ..arch.tensors import TABLE, PlannedTensor, plan_tensors
-from ..errors import CheckpointError, KimiError, OneLineParser, run_cli
+from ..errors import CheckpointError, GGUFError, KimiError, OneLineParser, run_cli
 from ..io.gguf_file import open_gguf
 from ..io.safetensors import Checkpoint, open_checkpoint
+from ..io.split_names import part_paths
 from .bounds import BOUNDS
 from .reference import REFERENCES, Chunk, Source, exact_type
 
@@ -111,11 +112,19 @@ class DiffReport:
 
 
 class _GGUF:
-    """The GGUF's tensors by name, and their bytes one row range at a time."""
+    """The GGUF's tensors by name, and their bytes one row range at a time. Given the first part
+    of a split, every part (split_names.part_paths, as --verify and the runner read them)."""
 
     def __init__(self, path: Path):
-        self.reader = open_gguf(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        first = open_gguf(path)
+        self.readers = [first] + [open_gguf(p) for p in part_paths(path, first)[1:]]
+        self.tensors: dict = {}
+        self._reader_of: dict = {}
+        for reader in self.readers:
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise GGUFError(f"{path}: tensor {t.name!r} appears in two parts of the split")
+                self.tensors[t.name], self._reader_of[t.name] = t, reader
 
     def rows(self, name: str, first: int, count: int) -> np.ndarray:
         t = self.tensors[name]
@@ -123,11 +132,13 @@ class _GGUF:
         block, size = GGML_QUANT_SIZES[t.tensor_type]
         row_bytes = ne0 // block * size
         start = t.data_offset + first * row_bytes
-        return np.asarray(self.reader.data[start: start + count * row_bytes]).reshape(count, row_bytes)
+        data = self._reader_of[name].data
+        return np.asarray(data[start: start + count * row_bytes]).reshape(count, row_bytes)
 
     def release_pages(self) -> None:
         # np.memmap keeps its mmap.mmap as the array's base; the pages stay in the page cache.
-        self.reader.data.base.madvise(mmap.MADV_DONTNEED)
+        for reader in self.readers:
+            reader.data.base.madvise(mmap.MADV_DONTNEED)
 
 
 def _releasing(chunks: Iterable[Chunk], gguf: _GGUF) -> Iterator[Chunk]:

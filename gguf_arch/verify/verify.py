@@ -13,16 +13,15 @@ from ..errors import GGUFError
 from ..io.gguf_file import open_gguf
 from ..io.manifest import IntegrityError, check_hashes, read_manifest
 from ..io.safetensors import open_checkpoint
-from ..io.split import part_paths
-from .diff import MISSING, iter_tensor_diffs
+from ..io.split_names import part_paths
+from .diff import iter_tensor_diffs
 
 
 def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] = print) -> None:
     """Stored digests first, then every tensor recomputed from the checkpoint; raise at the first difference.
 
     A split conversion is verified from its first part: every part against its own manifest, then
-    each part's tensors against the checkpoint (a tensor the diff misses in one part must be listed
-    by another part's manifest).
+    all parts' tensors against the checkpoint, read together as the tensor diff reads a split.
     """
     # The converter's strict reader vets the index (no shard name outside MODEL_DIR) and every
     # header before the diff's own reader opens a shard.
@@ -40,12 +39,8 @@ def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] =
     intended = {d.name: d.ggml_type for m in manifests.values() for d in m.tensors}
     log(f"{gguf}: {len(intended)} tensor digests match the manifest(s) of {len(manifests)} file(s)")
     n = 0
-    for part, manifest in manifests.items():
-        here = {d.name for d in manifest.tensors}
-        for diff in iter_tensor_diffs(model_dir, part, intended_types=intended):
-            if diff.status == MISSING and diff.name in intended and diff.name not in here:
-                continue  # in another part
-            if not diff.ok:
-                raise IntegrityError(f"{part}: differs from {model_dir}: {diff.line()}")
-            n += 1
+    for diff in iter_tensor_diffs(model_dir, gguf, intended_types=intended):  # every part, as the diff reads them
+        if not diff.ok:
+            raise IntegrityError(f"{gguf}: differs from {model_dir}: {diff.line()}")
+        n += 1
     log(f"{gguf}: all {n} tensors match {model_dir}")

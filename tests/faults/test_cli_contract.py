@@ -128,3 +128,16 @@ def test_a_fifo_or_device_is_never_replaced_by_overwrite(tmp_path):
     res = run_cli(K3_TINY, tmp_path / "o.gguf", "--quiet", "--overwrite", "--log-json", fifo)
     res.one_error_line(1, f"{fifo}: is not a regular file")
     assert fifo.is_fifo()
+
+
+# ---- the diff reads a split GGUF as --verify does (class 9) ---------------------------------
+
+def test_the_diff_reads_a_split_gguf_from_its_first_part(tmp_path):
+    out = tmp_path / "o.gguf"
+    assert run_cli(K3_TINY, out, "--quiet", "--split-max-tensors", "120").rc == 0
+    parts = sorted(tmp_path.glob("o-*-of-*.gguf"))
+    assert len(parts) == 3
+    res = run_tool("diff", K3_TINY, parts[0])  # was "269 missing: DIFFERENT"
+    assert res.rc == 0, res.out[-2000:] + res.err
+    assert "all match" in res.out and "missing" not in res.out.lower()
+    run_tool("diff", K3_TINY, parts[1]).one_error_line(2, "give the first part")
