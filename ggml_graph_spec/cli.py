@@ -19,6 +19,7 @@ import numpy as np
 
 from gguf_arch.arch.config import K3Config
 from gguf_arch.errors import run_cli
+from gguf_arch.io.jsonfile import read_text
 
 from .loader import config_from_metadata, load_gguf
 from .graph import DSA_PATHS
@@ -110,14 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
+    # The one FIFO-safe reader: a FIFO, socket or device given as -f is refused, never waited on.
+    return read_text(path, UsageError, "no such file")
 
 
 # ---------------------------------------------------------------------------------------------

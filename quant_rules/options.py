@@ -15,6 +15,7 @@ from typing import Iterable
 from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.errors import OutputError
+from gguf_arch.io.jsonfile import read_text
 from gguf_arch.io.output_paths import create
 
 from .rules import (EXPERT_TYPES, OUTTYPES, WRITABLE_TYPES, QuantOptions, QuantRuleError,
@@ -46,10 +47,7 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_tensor_type_file(path: Path) -> list[TensorTypeRule]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QuantRuleError(f"{path}: cannot read the tensor type file: {exc}") from None
+    text = read_text(path, QuantRuleError, "the tensor type file does not exist")  # never waits on a FIFO
     rules = []
     for number, line in enumerate(text.splitlines(), 1):
         for word in line.split("#", 1)[0].split():

@@ -6,15 +6,29 @@ the write path), stopping at the first difference.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 from ..errors import GGUFError
 from ..io.gguf_file import open_gguf
+from ..io.jsonfile import NotRegularFile, open_regular
 from ..io.manifest import IntegrityError, check_hashes, read_manifest
 from ..io.safetensors import open_checkpoint
 from ..io.split_names import part_paths
 from .diff import iter_tensor_diffs
+
+
+def _need_file(path: Path, what: str) -> None:
+    """A regular file at `path` (a FIFO is refused, never opened blocking)."""
+    try:
+        os.close(open_regular(path))
+    except FileNotFoundError:
+        raise GGUFError(f"{path}: not found ({what})") from None
+    except NotRegularFile as exc:
+        raise GGUFError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise GGUFError(f"{path}: cannot be read: {exc.strerror}") from None
 
 
 def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] = print) -> None:
@@ -27,13 +41,11 @@ def verify(gguf: Path | str, model_dir: Path | str, log: Callable[[str], None] =
     # header before the diff's own reader opens a shard.
     open_checkpoint(model_dir).close()
     gguf = Path(gguf)
-    if not gguf.is_file():
-        raise GGUFError(f"{gguf}: not found (expected the converted GGUF file)")
+    _need_file(gguf, "expected the converted GGUF file")
     manifests = {gguf: read_manifest(gguf)}
     check_hashes(gguf, manifests[gguf])  # before anything else parses the file
     for part in part_paths(gguf, open_gguf(gguf))[1:]:
-        if not part.is_file():
-            raise GGUFError(f"{part}: not found (a part of the split {gguf})")
+        _need_file(part, f"a part of the split {gguf}")
         manifests[part] = read_manifest(part)
         check_hashes(part, manifests[part])
     intended = {d.name: d.ggml_type for m in manifests.values() for d in m.tensors}

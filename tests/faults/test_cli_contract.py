@@ -141,3 +141,20 @@ def test_the_diff_reads_a_split_gguf_from_its_first_part(tmp_path):
     assert res.rc == 0, res.out[-2000:] + res.err
     assert "all match" in res.out and "missing" not in res.out.lower()
     run_tool("diff", K3_TINY, parts[1]).one_error_line(2, "give the first part")
+
+
+# ---- every file read goes through the FIFO-safe opener (class 2) ----------------------------
+
+@pytest.mark.parametrize("tool,args", [
+    ("convert", lambda f, g, t: (K3_TINY, t / "o.gguf", "--tensor-type-file", f)),
+    ("convert", lambda f, g, t: ("--verify", f, K3_TINY)),
+    ("cli", lambda f, g, t: ("-m", g, "-f", f, "-n", "1", "-c", "64")),
+    ("cli", lambda f, g, t: ("-m", f, "-p", "hi")),
+    ("diff", lambda f, g, t: (K3_TINY, f)),
+], ids=["tensor-type-file", "verify", "prompt-file", "model", "diff"])
+def test_a_fifo_given_as_a_file_is_refused_not_waited_on(k3_tiny_gguf, tmp_path, tool, args):
+    """No writer ever opens the FIFO: a plain open() would block until the timeout."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    res = run_tool(tool, *args(fifo, k3_tiny_gguf, tmp_path), timeout=60)
+    res.one_error_line(2, str(fifo), "not a regular file")
