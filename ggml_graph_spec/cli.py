@@ -18,10 +18,11 @@ import ggml
 import numpy as np
 
 from gguf_arch.arch.config import K3Config
+from gguf_arch.arch.keys import config_from_metadata
 from gguf_arch.errors import run_cli
 from gguf_arch.io.jsonfile import read_text
 
-from .loader import config_from_metadata, load_gguf
+from .loader import load_gguf
 from .graph import DSA_PATHS
 from .model import Model
 from .perplexity import chunk_count, perplexity
@@ -190,7 +191,6 @@ def generate(model: Model, tokenizer: BPETokenizer, prompt_ids: Sequence[int], s
 # loading: overrides, context size, summary
 # ---------------------------------------------------------------------------------------------
 
-# Tokenizer keys the runner reads, and the BPETokenizer attribute each one sets.
 def _context_size(requested: int, cfg: K3Config) -> int:
     if requested == 0:
         return cfg.context_length
@@ -211,7 +211,7 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
         return meta, cfg
     weights = load_gguf(args.model, repack=args.repack, adjust=adjust)
     try:
-        tokenizer = BPETokenizer.from_gguf(weights.path)
+        tokenizer = BPETokenizer.from_gguf(weights.reader)
         for attr, value in tokenizer_settings(overrides).items():
             setattr(tokenizer, attr, value)
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,

@@ -21,6 +21,9 @@ import numpy as np
 
 from gguf_arch.errors import KimiError
 
+from gguf_arch.arch.tensors import (ATTN_NORM, ATTN_RES_SCORE, FFN_NORM, FFN_RES_SCORE, OUTPUT, OUTPUT_NORM,
+                                    OUTPUT_RES_SCORE, TOKEN_EMBD)
+
 from .blocks.attn_res import ResidualBank, attn_res
 from .blocks.ffn import build_dense_ffn
 from .blocks.kda import build_kda
@@ -61,26 +64,26 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
     """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head (D.4, D.7)."""
     cfg, c = g.cfg, g.ctx
     t = weights.tensors
-    p = ggml.ggml_get_rows(c, t["token_embd.weight"], tokens)  # [n_embd, T]; F32 for any type
+    p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type
     bank = ResidualBank()
     for l in range(cfg.num_layers):
         w = weights.layer(l)
-        x = p if len(bank) == 0 else attn_res(g, p, bank, w("attn_res_score.weight"))
+        x = p if len(bank) == 0 else attn_res(g, p, bank, w(ATTN_RES_SCORE))
         if l % cfg.attn_res_block_size == 0:
             bank.push(g, p)  # bank the raw incoming partial sum; the block restarts
             p = None
-        h = g.rms_norm(x, w("attn_norm.weight"), cfg.rms_norm_eps)
+        h = g.rms_norm(x, w(ATTN_NORM), cfg.rms_norm_eps)
         a = build_kda(g, w, h) if cfg.is_kda(l) else build_mla(g, w, h)
         p = a if p is None else ggml.ggml_add(c, p, a)
-        y = attn_res(g, p, bank, w("ffn_res_score.weight"))
-        h = g.rms_norm(y, w("ffn_norm.weight"), cfg.rms_norm_eps)
+        y = attn_res(g, p, bank, w(FFN_RES_SCORE))
+        h = g.rms_norm(y, w(FFN_NORM), cfg.rms_norm_eps)
         f = build_moe(g, w, h) if cfg.is_moe(l) else build_dense_ffn(g, w, h)
         p = ggml.ggml_add(c, p, f)
         if g.wants("hidden"):
             g.record("hidden", l, p)
-    out = attn_res(g, p, bank, t["output_res_score.weight"])
-    out = g.rms_norm(out, t["output_norm.weight"], cfg.rms_norm_eps)
-    return g.mm(t["output.weight"], out)  # [vocab, T]
+    out = attn_res(g, p, bank, t[OUTPUT_RES_SCORE])
+    out = g.rms_norm(out, t[OUTPUT_NORM], cfg.rms_norm_eps)
+    return g.mm(t[OUTPUT], out)  # [vocab, T]
 
 
 def _graph_size(weights: GGUFWeights) -> int:

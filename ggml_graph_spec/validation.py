@@ -20,6 +20,7 @@ import os
 from typing import Any, Callable, Mapping
 
 from gguf import GGUFValueType as T
+from gguf import Keys
 
 from gguf_arch.arch import keys as K
 from gguf_arch.arch.config import K3Config
@@ -30,9 +31,8 @@ from gguf_arch.io.gguf_values import problem as value_problem
 PROG = "kimi-k3-cli"
 # The tokenizer keys an override may change, with the tokenizer attribute each sets; gguf-py
 # writes the ids as uint32 and the flag as a bool.
-TOKENIZER_OVERRIDES = {"tokenizer.ggml.bos_token_id": ("bos_id", T.UINT32),
-                       "tokenizer.ggml.eos_token_id": ("eos_id", T.UINT32),
-                       "tokenizer.ggml.add_bos_token": ("add_bos", T.BOOL)}
+TOKENIZER_OVERRIDES = {Keys.Tokenizer.BOS_ID: ("bos_id", T.UINT32), Keys.Tokenizer.EOS_ID: ("eos_id", T.UINT32),
+                       Keys.Tokenizer.ADD_BOS: ("add_bos", T.BOOL)}
 
 
 class UsageError(KimiError):
@@ -130,6 +130,8 @@ def apply_overrides(meta: Mapping[str, Any], cfg: K3Config, overrides: Mapping[s
     """(metadata, config) with --override-kv applied; `rebuild` is the loader's metadata -> config
     with all its checks. A value may change anything but the tensor layout: the tensors were
     validated against the file's own keys, and a ggml op on a mis-shaped tensor aborts."""
+    if not overrides:
+        return dict(meta), cfg  # the loader's config stands: nothing to rebuild
     where = f"{where}: --override-kv"
     types = _key_types(cfg)
     new = dict(meta)

@@ -14,6 +14,7 @@ from typing import Iterable
 
 from gguf import GGMLQuantizationType as Q
 
+from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
 from gguf_arch.errors import OutputError
 from gguf_arch.io.jsonfile import read_text
 from gguf_arch.io.output_paths import create
@@ -34,8 +35,8 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-type-file", action="append", default=[], type=Path, metavar="FILE",
                    help="PATTERN=TYPE rules, whitespace-separated, '#' starts a comment; read after "
                         "the --tensor-type rules")
-    g.add_argument("--output-tensor-type", metavar="TYPE", help="type of output.weight")
-    g.add_argument("--token-embedding-type", metavar="TYPE", help="type of token_embd.weight")
+    g.add_argument("--output-tensor-type", metavar="TYPE", help=f"type of {OUTPUT}")
+    g.add_argument("--token-embedding-type", metavar="TYPE", help=f"type of {TOKEN_EMBD}")
     g.add_argument("--requantize-experts", metavar="TYPE",
                    help="dequantize the MXFP4 routed experts one expert at a time and write them as "
                         f"TYPE ({', '.join(type_name(t) for t in EXPERT_TYPES)}); lossy for q8_0 and f16")

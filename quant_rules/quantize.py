@@ -16,18 +16,13 @@ from typing import Iterable, Iterator
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
-from gguf.constants import GGML_QUANT_SIZES
 
 from gguf_arch.arch.transforms import SAME_BYTES
+from gguf_arch.io.gguf_file import row_nbytes
 from gguf_arch.io.safetensors import NUMPY_DTYPES, to_f32
 
 # f32 values decoded at once (4 MiB); gguf-py's MXFP4 quantizer needs 16x that in temporaries.
 BATCH_VALUES = 1024 * 1024
-
-
-def row_nbytes(t: Q, row: int) -> int:
-    block, size = GGML_QUANT_SIZES[t]
-    return row // block * size
 
 
 # The float GGML types by the safetensors dtype that holds the same bytes.

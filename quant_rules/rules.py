@@ -24,7 +24,6 @@ A type whose block does not divide a tensor's row length falls back, as llama.cp
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -34,6 +33,8 @@ from typing import Iterable, Sequence
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
+from gguf_arch.arch.tensors import LAYER
+from gguf_arch.io.gguf_writer import tensor_nbytes
 from gguf_arch.errors import KimiError
 
 
@@ -164,8 +165,7 @@ class Decision:
 
     @property
     def nbytes(self) -> int:
-        block, size = GGML_QUANT_SIZES[self.final_type]
-        return math.prod(self.shape[:-1]) * (self.shape[-1] // block) * size
+        return tensor_nbytes(self.final_type, self.shape)
 
 
 @dataclass(frozen=True)
@@ -210,15 +210,16 @@ def _decide(t: TypedTensor, opts: QuantOptions, prot: ProtectedSet) -> Decision:
     return Decision(t.name, t.shape, t.source_type, t.contract_type, fallback, why, None, rule, final)
 
 
-_LAYER = re.compile(r"^blk\.\d+\.")
+_LAYER = re.compile("^" + re.escape(LAYER).replace(re.escape("{l}"), r"\d+"))
+_ANY_LAYER = LAYER.format(l="*")
 
 
 def _templates(names: Iterable[str]) -> str:
     """blk.3.x, blk.7.x -> 'blk.*.x (2 layers)': which tensors, compactly."""
     counts: dict[str, int] = defaultdict(int)
     for n in names:
-        counts[_LAYER.sub("blk.*.", n)] += 1
-    return ", ".join(f"{k} ({v} layers)" if k.startswith("blk.*.") else k for k, v in counts.items())
+        counts[_LAYER.sub(_ANY_LAYER, n)] += 1
+    return ", ".join(f"{k} ({v} layers)" if k.startswith(_ANY_LAYER) else k for k, v in counts.items())
 
 
 def refusal_log(decisions: Iterable[Decision]) -> list[str]:

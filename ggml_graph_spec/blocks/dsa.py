@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import ggml
 
+from gguf_arch.arch.tensors import INDEXER_K, INDEXER_K_NORM, INDEXER_K_NORM_BIAS, INDEXER_PROJ, INDEXER_Q_B
+
 from ..graph import GraphBuild, Tensor
 from ..loader import LayerWeights
 
@@ -24,10 +26,10 @@ _FLOOR = float(np.finfo(np.float32).min)
 def indexer_key(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """kI = LayerNorm(indexer.attn_k x; gain k_norm, bias k_norm.bias or 0), ne [D_I, T]."""
     ctx = g.ctx
-    k = ggml.ggml_norm(ctx, g.mm(w("indexer.attn_k.weight"), x), KEY_NORM_EPS)
-    k = ggml.ggml_mul(ctx, k, w("indexer.k_norm.weight"))
-    if w.has("indexer.k_norm.bias"):
-        k = ggml.ggml_add(ctx, k, w("indexer.k_norm.bias"))
+    k = ggml.ggml_norm(ctx, g.mm(w(INDEXER_K), x), KEY_NORM_EPS)
+    k = ggml.ggml_mul(ctx, k, w(INDEXER_K_NORM))
+    if w.has(INDEXER_K_NORM_BIAS):
+        k = ggml.ggml_add(ctx, k, w(INDEXER_K_NORM_BIAS))
     return k
 
 
@@ -36,7 +38,7 @@ def head_weights(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     contract's order."""
     ix = g.cfg.indexer
     ctx = g.ctx
-    hw = g.mm(w("indexer.proj.weight"), x)
+    hw = g.mm(w(INDEXER_PROJ), x)
     return ggml.ggml_scale(ctx, ggml.ggml_scale(ctx, hw, ix.n_heads ** -0.5), ix.head_dim ** -0.5)
 
 
@@ -47,7 +49,7 @@ def indexer_scores(g: GraphBuild, w: LayerWeights, x: Tensor, cq: Tensor) -> Ten
     sees its own key and all earlier ones."""
     ix = g.cfg.indexer
     ctx, T = g.ctx, g.n_tokens
-    q = g.mm(w("indexer.attn_q_b.weight"), cq)  # [D_I * H_I, T]: head h of token t at row h + t H_I
+    q = g.mm(w(INDEXER_Q_B), cq)  # [D_I * H_I, T]: head h of token t at row h + t H_I
     q = ggml.ggml_reshape_2d(ctx, q, ix.head_dim, ix.n_heads * T)
     keys = g.store(g.cache.indexer_keys(w.layer), indexer_key(g, w, x))  # [D_I, n_kv]
     # The one [H_I * T, n_kv] tensor is laid out with the heads fastest, so that weighting and

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ggml
 
+from gguf_arch.arch.tensors import FFN_DOWN, FFN_GATE, FFN_UP
+
 from ..graph import GraphBuild, Tensor
 from ..loader import LayerWeights
 
@@ -25,4 +27,4 @@ def situ_mlp(g: GraphBuild, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Ten
 
 def build_dense_ffn(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """The leading dense layers' SiTU MLP (D.7)."""
-    return situ_mlp(g, x, w("ffn_gate.weight"), w("ffn_up.weight"), w("ffn_down.weight"))
+    return situ_mlp(g, x, w(FFN_GATE), w(FFN_UP), w(FFN_DOWN))

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ggml
 
+from gguf_arch.arch.tensors import (ATTN_K, ATTN_OUTPUT, ATTN_Q, ATTN_V, SSM_A, SSM_BETA, SSM_CONV1D, SSM_DT,
+                                    SSM_F_A, SSM_F_B, SSM_G, SSM_NORM)
+
 from ..graph import GraphBuild, Tensor
 from ..loader import LayerWeights
 
@@ -30,7 +33,7 @@ def _short_conv(g: GraphBuild, w: LayerWeights, which: str, u: Tensor) -> Tensor
     P, K = kda.proj_dim, kda.conv_kernel
     state = g.cache.kda_conv(w.layer, which)
     sx = ggml.ggml_concat(c, state, ggml.ggml_cont(c, ggml.ggml_transpose(c, u)), 0)  # [K-1+T, P]
-    kernel = ggml.ggml_reshape_2d(c, w(f"ssm_conv1d_{which}.weight"), K, P)
+    kernel = ggml.ggml_reshape_2d(c, w(SSM_CONV1D[which]), K, P)
     y = ggml.ggml_ssm_conv(c, ggml.ggml_reshape_3d(c, sx, K - 1 + T, P, 1), kernel)  # [P, T, 1]
     elem = ggml.ggml_element_size(sx)
     g.overwrite(state, ggml.ggml_view_2d(c, sx, K - 1, P, sx.contents.nb[1], T * elem))
@@ -44,9 +47,9 @@ def _kda_gate(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """
     c, kda, T = g.ctx, g.cfg.kda, g.n_tokens
     S, H = kda.head_dim, kda.num_heads
-    s = g.mm(w("ssm_f_b.weight"), g.mm(w("ssm_f_a.weight"), x))
-    s = ggml.ggml_add(c, ggml.ggml_reshape_3d(c, s, S, H, T), ggml.ggml_reshape_2d(c, w("ssm_dt.bias"), S, H))
-    exp_a = ggml.ggml_neg(c, ggml.ggml_reshape_2d(c, w("ssm_a"), 1, H))
+    s = g.mm(w(SSM_F_B), g.mm(w(SSM_F_A), x))
+    s = ggml.ggml_add(c, ggml.ggml_reshape_3d(c, s, S, H, T), ggml.ggml_reshape_2d(c, w(SSM_DT), S, H))
+    exp_a = ggml.ggml_neg(c, ggml.ggml_reshape_2d(c, w(SSM_A), 1, H))
     return ggml.ggml_scale(c, ggml.ggml_sigmoid(c, ggml.ggml_mul(c, s, exp_a)), kda.gate_lower_bound)
 
 
@@ -54,10 +57,10 @@ def build_kda(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """Kimi Delta Attention on the normed input x [n_embd, T] -> [n_embd, T] (D.2)."""
     c, kda, T = g.ctx, g.cfg.kda, g.n_tokens
     S, H, P = kda.head_dim, kda.num_heads, kda.proj_dim
-    q, k, v = (ggml.ggml_reshape_3d(c, _short_conv(g, w, name, g.mm(w(f"attn_{name}.weight"), x)), S, H, T)
-               for name in ("q", "k", "v"))
+    q, k, v = (ggml.ggml_reshape_3d(c, _short_conv(g, w, name, g.mm(w(proj), x)), S, H, T)
+               for name, proj in (("q", ATTN_Q), ("k", ATTN_K), ("v", ATTN_V)))
     q, k = _l2_norm_heads(g, q, S), _l2_norm_heads(g, k, S)
-    beta = ggml.ggml_reshape_4d(c, ggml.ggml_sigmoid(c, g.mm(w("ssm_beta.weight"), x)), 1, H, T, 1)
+    beta = ggml.ggml_reshape_4d(c, ggml.ggml_sigmoid(c, g.mm(w(SSM_BETA), x)), 1, H, T, 1)
     gate = _kda_gate(g, w, x)
     state = g.cache.kda_state(w.layer)
     # The op scales q by 1/sqrt(S) itself (findings.md) and returns [outputs | final state].
@@ -66,6 +69,6 @@ def build_kda(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     o = ggml.ggml_view_3d(c, out, S, H, T, S * elem, S * H * elem, 0)
     g.overwrite(state, ggml.ggml_view_1d(c, out, S * S * H, S * H * T * elem))
     # Gated output norm: rmsnorm over head_dim (weight shared by heads) times sigmoid(g_proj x).
-    gate_out = ggml.ggml_reshape_3d(c, g.mm(w("ssm_g.weight"), x), S, H, T)
-    o = ggml.ggml_mul(c, g.rms_norm(o, w("ssm_norm.weight"), g.cfg.rms_norm_eps), ggml.ggml_sigmoid(c, gate_out))
-    return g.mm(w("attn_output.weight"), ggml.ggml_reshape_2d(c, o, P, T))
+    gate_out = ggml.ggml_reshape_3d(c, g.mm(w(SSM_G), x), S, H, T)
+    o = ggml.ggml_mul(c, g.rms_norm(o, w(SSM_NORM), g.cfg.rms_norm_eps), ggml.ggml_sigmoid(c, gate_out))
+    return g.mm(w(ATTN_OUTPUT), ggml.ggml_reshape_2d(c, o, P, T))

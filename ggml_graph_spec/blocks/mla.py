@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import ggml
 
+from gguf_arch.arch.tensors import (ATTN_GATE, ATTN_KV_A_MQA, ATTN_KV_A_NORM, ATTN_K_B, ATTN_OUTPUT,
+                                    ATTN_Q_A, ATTN_Q_A_NORM, ATTN_Q_B, ATTN_V_B)
+
 from . import dsa
 from ..graph import GraphBuild, Tensor
 from ..loader import LayerWeights
@@ -32,21 +35,21 @@ GATHER_CHUNK_BYTES = 64 << 20
 
 def q_lora_latent(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """cq = rmsnorm(attn_q_a x), [q_lora, T]: the MLA queries and the DSA indexer queries read it."""
-    return g.rms_norm(g.mm(w("attn_q_a.weight"), x), w("attn_q_a_norm.weight"), LATENT_NORM_EPS)
+    return g.rms_norm(g.mm(w(ATTN_Q_A), x), w(ATTN_Q_A_NORM), LATENT_NORM_EPS)
 
 
 def absorbed_query(g: GraphBuild, w: LayerWeights, cq: Tensor) -> Tensor:
     """[q_lat | q_pe] per head, ne [kv_lora + rope, T, H]."""
     c = g.cfg
     ctx, T, H = g.ctx, g.n_tokens, c.num_heads
-    q = ggml.ggml_reshape_3d(ctx, g.mm(w("attn_q_b.weight"), cq), c.qk_head_dim, H, T)
+    q = ggml.ggml_reshape_3d(ctx, g.mm(w(ATTN_Q_B), cq), c.qk_head_dim, H, T)
     f = ggml.ggml_element_size(q)
     q_nope = ggml.ggml_view_3d(ctx, q, c.qk_nope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2], 0)
     q_pe = ggml.ggml_view_3d(ctx, q, c.qk_rope_head_dim, H, T, q.contents.nb[1], q.contents.nb[2],
                              c.qk_nope_head_dim * f)
     # Heads become the batch dim so attn_k_b [nope, kv_lora, H] multiplies each head's query.
     q_nope = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [nope, T, H]
-    q_lat = g.mm(w("attn_k_b.weight"), q_nope)  # [kv_lora, T, H]
+    q_lat = g.mm(w(ATTN_K_B), q_nope)  # [kv_lora, T, H]
     q_pe = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_pe, 0, 2, 1, 3))  # [rope, T, H]
     return ggml.ggml_concat(ctx, q_lat, q_pe, 0)
 
@@ -55,11 +58,11 @@ def latent_row(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """The cache row per token, [rmsnorm(c) | k_pe], ne [kv_lora + rope, T]."""
     c = g.cfg
     ctx, T = g.ctx, g.n_tokens
-    kv = g.mm(w("attn_kv_a_mqa.weight"), x)  # [kv_lora + rope, T]
+    kv = g.mm(w(ATTN_KV_A_MQA), x)  # [kv_lora + rope, T]
     f = ggml.ggml_element_size(kv)
     lat = ggml.ggml_view_2d(ctx, kv, c.kv_lora_rank, T, kv.contents.nb[1], 0)
     k_pe = ggml.ggml_view_2d(ctx, kv, c.qk_rope_head_dim, T, kv.contents.nb[1], c.kv_lora_rank * f)
-    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w("attn_kv_a_norm.weight"), LATENT_NORM_EPS)
+    lat = g.rms_norm(ggml.ggml_cont(ctx, lat), w(ATTN_KV_A_NORM), LATENT_NORM_EPS)
     return ggml.ggml_concat(ctx, lat, ggml.ggml_cont(ctx, k_pe), 0)
 
 
@@ -167,8 +170,8 @@ def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
         o_lat = attend_gathered(g, q, kv, mask, top_k, scale)
     else:  # dense, masked DSA, or a selection that is the whole visible context anyway
         o_lat = (attend_exact if g.exact else attend_flash)(g, q, kv, mask, scale)  # [kv_lora, T, H]
-    o = g.mm(w("attn_v_b.weight"), o_lat)  # [v_dim, T, H]
+    o = g.mm(w(ATTN_V_B), o_lat)  # [v_dim, T, H]
     o = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [v_dim, H, T]
     o = ggml.ggml_reshape_2d(ctx, o, c.v_head_dim * c.num_heads, T)
-    o = ggml.ggml_mul(ctx, o, ggml.ggml_sigmoid(ctx, g.mm(w("attn_gate.weight"), x)))
-    return g.mm(w("attn_output.weight"), o)
+    o = ggml.ggml_mul(ctx, o, ggml.ggml_sigmoid(ctx, g.mm(w(ATTN_GATE), x)))
+    return g.mm(w(ATTN_OUTPUT), o)

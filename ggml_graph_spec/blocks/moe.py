@@ -9,6 +9,10 @@ from __future__ import annotations
 import ggml
 import numpy as np
 
+from gguf_arch.arch.tensors import (EXP_PROBS_B, FFN_DOWN_EXPS, FFN_DOWN_SHEXP, FFN_GATE_EXPS, FFN_GATE_INP,
+                                    FFN_GATE_SHEXP, FFN_ROUTED_DOWN, FFN_ROUTED_NORM, FFN_ROUTED_UP,
+                                    FFN_UP_EXPS, FFN_UP_SHEXP)
+
 from ..graph import I32, GraphBuild, Tensor
 from ..loader import LayerWeights
 from .ffn import situ, situ_mlp
@@ -21,8 +25,8 @@ def _route(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
     """
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     E, k = cfg.num_experts, cfg.num_experts_used
-    probs = ggml.ggml_sigmoid(c, g.mm(w("ffn_gate_inp.weight"), x))  # [E, T]
-    ids = ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w("exp_probs_b.bias")), k))
+    probs = ggml.ggml_sigmoid(c, g.mm(w(FFN_GATE_INP), x))  # [E, T]
+    ids = ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w(EXP_PROBS_B)), k))
     weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, E, T), ids)  # [1, k, T]
     if cfg.moe_renormalize:
         total = ggml.ggml_sum_rows(c, ggml.ggml_reshape_2d(c, weights, k, T))  # [1, T]
@@ -55,7 +59,7 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
     experts dequantized to F32, so the activations stay F32.
     """
     c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
-    names = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+    names = (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)
     if g.exact:
         gate_b, up_b, down_b = (_dequantized_experts(g, w(n), ids) for n in names)
         ids = g.input("expert_slots", I32, (k, T), np.arange(k * T, dtype=np.int32).reshape(T, k))
@@ -71,13 +75,13 @@ def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """LatentMoE on the normed input x [n_embd, T] (D.6)."""
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     ids, weights = _route(g, w, x)
-    z = g.mm(w("ffn_routed_down.weight"), x)  # [L, T]
+    z = g.mm(w(FFN_ROUTED_DOWN), x)  # [L, T]
     per_expert = ggml.ggml_mul(c, _routed_experts(g, w, z, ids), weights)  # [L, k, T]
     L, nb1, nb2 = cfg.latent_size, per_expert.contents.nb[1], per_expert.contents.nb[2]
     u = None
     for j in range(cfg.num_experts_used):
         term = ggml.ggml_view_2d(c, per_expert, L, T, nb2, j * nb1)
         u = term if u is None else ggml.ggml_add(c, u, term)
-    routed = g.mm(w("ffn_routed_up.weight"), g.rms_norm(u, w("ffn_routed_norm.weight"), cfg.rms_norm_eps))
-    shared = situ_mlp(g, x, w("ffn_gate_shexp.weight"), w("ffn_up_shexp.weight"), w("ffn_down_shexp.weight"))
+    routed = g.mm(w(FFN_ROUTED_UP), g.rms_norm(u, w(FFN_ROUTED_NORM), cfg.rms_norm_eps))
+    shared = situ_mlp(g, x, w(FFN_GATE_SHEXP), w(FFN_UP_SHEXP), w(FFN_DOWN_SHEXP))
     return ggml.ggml_add(c, routed, shared)

@@ -1,15 +1,19 @@
-"""Strict reader for the Kimi K3 / K3.1-Pro `config.json`.
+"""Strict reader for the Kimi K3 / K3.1-Pro `config.json`, with its fields as one table.
 
 The released file is a multimodal wrapper: the text model's fields live in `text_config`, and
 `quantization_config` lives only inside `text_config`. Generation boilerplate that sits beside the
 architecture fields (`top_k: 50`, `max_length: 20`, the derived `head_dim`) is never read: only
-the names in `_TEXT_FIELDS` and `_KDA_FIELDS` are architecture.
+the rows of `FIELDS` are architecture. Each row names one HF field once: where it sits, its type,
+the K3Config field it fills, its range and, where Kimi K3 allows one value only, that value. The
+GGUF reader checks the same ranges on a K3Config read back from a file (`range_problems`; the GGUF
+key of each field is in `keys.py`).
 
 Layer lists in the file are 1-based; everything this module returns is 0-based.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,81 +23,96 @@ from ..errors import ConfigError
 from ..io.gguf_values import describe
 from ..io.gguf_values import problem as value_problem
 from ..io.jsonfile import read_json
+from .mxfp4 import BLOCK
 
 TOP_LEVEL_ARCH = "KimiK3ForConditionalGeneration"
-
-# Field name -> value checker. Every one is required; all missing ones are reported together.
-_Int = "int"
-_Float = "float"
-_Bool = "bool"
-_Str = "str"
-_List = "list"
-
-_TEXT_FIELDS: dict[str, str] = {
-    "vocab_size": _Int,
-    "hidden_size": _Int,
-    "num_hidden_layers": _Int,
-    "num_attention_heads": _Int,
-    "num_key_value_heads": _Int,
-    "intermediate_size": _Int,
-    "moe_intermediate_size": _Int,
-    "num_experts": _Int,
-    "num_experts_per_token": _Int,
-    "num_shared_experts": _Int,
-    "first_k_dense_replace": _Int,
-    "moe_layer_freq": _Int,
-    "routed_expert_hidden_size": _Int,
-    "latent_moe_use_norm": _Bool,
-    "moe_router_activation_func": _Str,
-    "moe_renormalize": _Bool,
-    "routed_scaling_factor": _Float,
-    "topk_method": _Str,
-    "num_expert_group": _Int,
-    "topk_group": _Int,
-    "q_lora_rank": _Int,
-    "kv_lora_rank": _Int,
-    "qk_nope_head_dim": _Int,
-    "qk_rope_head_dim": _Int,
-    "v_head_dim": _Int,
-    "mla_use_nope": _Bool,
-    "mla_use_output_gate": _Bool,
-    "hidden_act": _Str,
-    "activation_situ_beta": _Float,
-    "activation_situ_linear_beta": _Float,
-    "attn_res_block_size": _Int,
-    "rms_norm_eps": _Float,
-    "max_position_embeddings": _Int,
-    "num_nextn_predict_layers": _Int,
-    "tie_word_embeddings": _Bool,
-    "bos_token_id": _Int,
-    "eos_token_id": _Int,
-    "pad_token_id": _Int,
-}
-
-_KDA_FIELDS: dict[str, str] = {
-    "num_heads": _Int,
-    "head_dim": _Int,
-    "short_conv_kernel_size": _Int,
-    "use_full_rank_gate": _Bool,
-    "gate_lower_bound": _Float,
-    "kda_layers": _List,
-    "full_attn_layers": _List,
-}
-
-INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "index_layers")
-
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 
-# Values the K3 graph hard-wires; a config that says otherwise describes another model.
-_FIXED_VALUES: dict[str, Any] = {
-    "hidden_act": "situ",
-    "moe_router_activation_func": "sigmoid",
-    "mla_use_nope": True,
-    "mla_use_output_gate": True,
-    "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False,
-    "num_expert_group": 1,
-}
+_Int, _Float, _Bool, _Str, _List = "int", "float", "bool", "str", "list"
+TEXT = "text_config."
+KDA = "text_config.linear_attn_config."
+POSITIVE = "positive"  # ints >= 1, floats > 0 (SiTU divides by its betas)
+BLOCKS = "blocks"  # a positive multiple of the MXFP4 block
+_ANY = object()  # no fixed value
+
+
+@dataclass(frozen=True)
+class Field:
+    """One architecture field of config.json. Every one is required; all missing ones are
+    reported together."""
+
+    hf: str  # its name in its section
+    kind: str
+    attr: str | None = None  # the K3Config field it fills ("kda.head_dim"); None: only checked
+    rule: str | None = None  # POSITIVE or BLOCKS
+    fixed: Any = _ANY  # the one value the K3 graph hard-wires; another describes another model
+    section: str = TEXT
+
+    @property
+    def where(self) -> str:
+        return self.section + self.hf
+
+
+def _kda(hf: str, kind: str, attr: str | None = None, rule: str | None = None) -> Field:
+    return Field(hf, kind, attr, rule, section=KDA)
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("vocab_size", _Int, "vocab_size", POSITIVE),
+    Field("hidden_size", _Int, "hidden_size", POSITIVE),
+    Field("num_hidden_layers", _Int, "num_layers", POSITIVE),
+    Field("num_attention_heads", _Int, "num_heads", POSITIVE),
+    Field("num_key_value_heads", _Int),
+    Field("intermediate_size", _Int, "intermediate_size", POSITIVE),
+    Field("moe_intermediate_size", _Int, "moe_intermediate_size", BLOCKS),
+    Field("num_experts", _Int, "num_experts", POSITIVE),
+    Field("num_experts_per_token", _Int, "num_experts_used", POSITIVE),
+    Field("num_shared_experts", _Int, "num_shared_experts"),
+    Field("first_k_dense_replace", _Int, "first_k_dense_replace"),
+    Field("moe_layer_freq", _Int, "moe_layer_freq", POSITIVE),
+    Field("routed_expert_hidden_size", _Int, "latent_size", BLOCKS),
+    Field("latent_moe_use_norm", _Bool, "latent_moe_use_norm"),
+    Field("moe_router_activation_func", _Str, fixed="sigmoid"),
+    Field("moe_renormalize", _Bool, "moe_renormalize"),
+    Field("routed_scaling_factor", _Float, "routed_scaling_factor"),
+    Field("topk_method", _Str),
+    Field("num_expert_group", _Int, fixed=1),
+    Field("topk_group", _Int, "topk_group"),
+    Field("q_lora_rank", _Int, "q_lora_rank", POSITIVE),
+    Field("kv_lora_rank", _Int, "kv_lora_rank", POSITIVE),
+    Field("qk_nope_head_dim", _Int, "qk_nope_head_dim", POSITIVE),
+    Field("qk_rope_head_dim", _Int, "qk_rope_head_dim"),
+    Field("v_head_dim", _Int, "v_head_dim", POSITIVE),
+    Field("mla_use_nope", _Bool, fixed=True),
+    Field("mla_use_output_gate", _Bool, fixed=True),
+    Field("hidden_act", _Str, fixed="situ"),
+    Field("activation_situ_beta", _Float, "situ_beta", POSITIVE),
+    Field("activation_situ_linear_beta", _Float, "situ_linear_beta", POSITIVE),
+    Field("attn_res_block_size", _Int, "attn_res_block_size", POSITIVE),
+    Field("rms_norm_eps", _Float, "rms_norm_eps", POSITIVE),
+    Field("max_position_embeddings", _Int, "context_length", POSITIVE),
+    Field("num_nextn_predict_layers", _Int, fixed=0),
+    Field("tie_word_embeddings", _Bool, fixed=False),
+    Field("bos_token_id", _Int, "bos_token_id"),
+    Field("eos_token_id", _Int, "eos_token_id"),
+    Field("pad_token_id", _Int, "pad_token_id"),
+    _kda("num_heads", _Int, "kda.num_heads", POSITIVE),
+    _kda("head_dim", _Int, "kda.head_dim", POSITIVE),
+    _kda("short_conv_kernel_size", _Int, "kda.conv_kernel", POSITIVE),
+    Field("use_full_rank_gate", _Bool, fixed=True, section=KDA),  # one g_proj
+    _kda("gate_lower_bound", _Float, "kda.gate_lower_bound"),
+    _kda("kda_layers", _List, "kda.layers"),  # 1-based lists, read by _layer_kinds
+    _kda("full_attn_layers", _List, "mla_layers"),
+)
+_ROW = {f.attr: f for f in FIELDS if f.attr is not None}
+
+# K3.1-Pro's lightning indexer: the four come together or not at all.
+INDEX_FIELDS: tuple[Field, ...] = (
+    Field("index_n_heads", _Int, "indexer.n_heads", POSITIVE),
+    Field("index_head_dim", _Int, "indexer.head_dim", POSITIVE),
+    Field("index_topk", _Int, "indexer.top_k", POSITIVE),
+    Field("index_layers", _List, "indexer.layers"),
+)
 
 
 # What each kind becomes in the GGUF: every integer field of K3 is written as (or checked against)
@@ -114,6 +133,20 @@ def _type_ok(kind: str, value: Any) -> bool:
     if kind == _Str:
         return isinstance(value, str)
     return isinstance(value, list)
+
+
+def rule_problems(f: Field, value: Any) -> list[str]:
+    """What is wrong with `value` under the field's rule (nothing: an empty list)."""
+    if f.rule is None:
+        return []
+    if f.kind == _Float:
+        if not math.isfinite(value):
+            return [f"must be finite and > 0, got {value}"]
+        return [] if value > 0 else [f"must be > 0, got {value}"]
+    problems = [] if value >= 1 else [f"must be >= 1, got {value}"]
+    if f.rule == BLOCKS and value % BLOCK:
+        problems.append(f"must be a multiple of {BLOCK} (MXFP4 blocks), got {value}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -210,9 +243,22 @@ class K3Config:
 
     def without_indexer(self) -> "K3Config":
         """The same model read as plain K3 (the DSA-off conversion)."""
-        from dataclasses import replace
-
         return replace(self, indexer=None)
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def range_problems(cfg: K3Config) -> list[tuple[str, str]]:
+    """(K3Config field, problem) for every field outside its row's range, in table order."""
+    found = []
+    for f in FIELDS + (INDEX_FIELDS if cfg.indexer is not None else ()):  # top_k 0 divides by zero
+        if f.rule is not None:
+            found.extend((f.attr, p) for p in rule_problems(f, _get(cfg, f.attr)))
+    return found
 
 
 def _one_based_layers(name: str, value: Any, n_layers: int, errors: list[str]) -> tuple[int, ...]:
@@ -225,18 +271,6 @@ def _one_based_layers(name: str, value: Any, n_layers: int, errors: list[str]) -
     if value != sorted(set(value)):
         errors.append(f"{name} must be sorted and without duplicates, got {value}")
     return tuple(v - 1 for v in value if 1 <= v <= n_layers)
-
-
-def _collect(section: dict, fields: dict[str, str], where: str, missing: list[str], wrong: list[str]) -> dict:
-    out = {}
-    for name, kind in fields.items():
-        if name not in section:
-            missing.append(f"{where}{name}")
-        elif not _type_ok(kind, section[name]):
-            wrong.append(f"{where}{name} must be {_kind_text(kind)}, got {section[name]!r}")
-        else:
-            out[name] = section[name]
-    return out
 
 
 def _mxfp4_group_size(text: dict, errors: list[str]) -> int:
@@ -256,65 +290,36 @@ def _mxfp4_group_size(text: dict, errors: list[str]) -> int:
                       f"format={sorted(map(str, formats))}")
         return 0
     sizes = {g.get("weights", {}).get("group_size") for g in group_list if isinstance(g, dict)}
-    if sizes != {32}:
-        errors.append(f"text_config.quantization_config weights.group_size must be 32 (MXFP4), got {sorted(map(str, sizes))}")
+    if sizes != {BLOCK}:
+        errors.append(f"text_config.quantization_config weights.group_size must be {BLOCK} (MXFP4), "
+                      f"got {sorted(map(str, sizes))}")
         return 0
-    return 32
+    return BLOCK
 
 
 def _indexer(text: dict, n_layers: int, mla_layers: tuple[int, ...], errors: list[str]) -> IndexerConfig | None:
-    present = [f for f in INDEX_FIELDS if f in text]
+    present = [f.hf for f in INDEX_FIELDS if f.hf in text]
     if not present:
         return None
-    absent = [f for f in INDEX_FIELDS if f not in text]
+    absent = [f.hf for f in INDEX_FIELDS if f.hf not in text]
     if absent:
         errors.append(f"text_config has {', '.join(present)} but not {', '.join(absent)}: "
                       "the four index_* fields come together or not at all")
         return None
-    vals = {}
-    for f in ("index_n_heads", "index_head_dim", "index_topk"):
-        v = text[f]
-        if not _type_ok(_Int, v) or v < 1:
-            errors.append(f"text_config.{f} must be an integer >= 1, got {v!r}")
-        vals[f] = v
-    layers = _one_based_layers("text_config.index_layers", text["index_layers"], n_layers, errors)
+    *counts, layers_row = INDEX_FIELDS
+    for f in counts:
+        v = text[f.hf]
+        if not _type_ok(f.kind, v) or v < 1:
+            errors.append(f"{f.where} must be an integer >= 1, got {v!r}")
+    layers = _one_based_layers(layers_row.where, text[layers_row.hf], n_layers, errors)
     if set(layers) != set(mla_layers):  # a duplicate is reported by _one_based_layers, as such
-        only_index = sorted(set(layers) - set(mla_layers))
-        only_full = sorted(set(mla_layers) - set(layers))
+        full = _ROW["mla_layers"]
         errors.append(
-            "text_config.index_layers must equal linear_attn_config.full_attn_layers exactly; "
-            f"only in index_layers: {[l + 1 for l in only_index]}, "
-            f"only in full_attn_layers: {[l + 1 for l in only_full]} (1-based)"
+            f"{layers_row.where} must equal {full.where.removeprefix(TEXT)} exactly; "
+            f"only in {layers_row.hf}: {[l + 1 for l in sorted(set(layers) - set(mla_layers))]}, "
+            f"only in {full.hf}: {[l + 1 for l in sorted(set(mla_layers) - set(layers))]} (1-based)"
         )
-    return IndexerConfig(vals["index_n_heads"], vals["index_head_dim"], vals["index_topk"], layers)
-
-
-def _check_fixed_and_sizes(t: dict, kda: dict, errors: list[str]) -> None:
-    for name, want in _FIXED_VALUES.items():
-        if name in t and t[name] != want:
-            errors.append(f"text_config.{name} must be {want!r} for Kimi K3, got {t[name]!r}")
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "moe_intermediate_size", "num_experts", "num_experts_per_token", "routed_expert_hidden_size",
-                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "attn_res_block_size",
-                 "moe_layer_freq", "max_position_embeddings"):
-        if name in t and t[name] < 1:
-            errors.append(f"text_config.{name} must be >= 1, got {t[name]}")
-    if t.get("num_experts_per_token", 0) > t.get("num_experts", 1 << 62):
-        errors.append(f"text_config.num_experts_per_token ({t['num_experts_per_token']}) exceeds num_experts ({t['num_experts']})")
-    for name in ("routed_expert_hidden_size", "moe_intermediate_size"):
-        if name in t and t[name] % 32:
-            errors.append(f"text_config.{name} must be a multiple of 32 (MXFP4 blocks), got {t[name]}")
-    for name in ("rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta"):  # SiTU divides by the betas
-        if name in t and not t[name] > 0:
-            errors.append(f"text_config.{name} must be > 0, got {t[name]}")
-    if kda.get("use_full_rank_gate") is False:
-        errors.append("text_config.linear_attn_config.use_full_rank_gate must be true for Kimi K3 (one g_proj)")
-    for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
-        if name in kda and kda[name] < 1:
-            errors.append(f"text_config.linear_attn_config.{name} must be >= 1, got {kda[name]}")
-    if kda.get("num_heads", 0) > kda.get("head_dim", 1 << 62):
-        errors.append("text_config.linear_attn_config.num_heads must not exceed head_dim "
-                      "(A_log is stored as [head_dim] with the per-head values first)")
+    return IndexerConfig(*(text[f.hf] for f in counts), layers)
 
 
 def text_section(raw: dict) -> dict:
@@ -329,75 +334,82 @@ def text_section(raw: dict) -> dict:
     return raw
 
 
+def _collect(t: dict, source: str) -> dict[Field, Any]:
+    """Every field's value, type-checked; ConfigError lists every missing or mistyped one."""
+    missing: list[str] = []
+    wrong: list[str] = []
+    got: dict[Field, Any] = {}
+    kda = t.get("linear_attn_config")
+    for f in FIELDS:
+        if f.section == KDA and not isinstance(kda, dict):
+            missing.append(KDA.rstrip("."))
+            kda = {}
+        section = t if f.section == TEXT else kda
+        if f.hf not in section:
+            missing.append(f.where)
+        elif not _type_ok(f.kind, section[f.hf]):
+            wrong.append(f"{f.where} must be {_kind_text(f.kind)}, got {section[f.hf]!r}")
+        else:
+            got[f] = section[f.hf]
+    if missing:
+        raise ConfigError(f"{source}: missing required field(s): {', '.join(missing)}")
+    if wrong:
+        raise ConfigError(f"{source}: {'; '.join(wrong)}")
+    return got
+
+
+def _value_problems(got: dict[Field, Any]) -> list[str]:
+    """Fixed values, ranges, and the checks that read two fields."""
+    errors = [f"{f.where} must be {f.fixed!r} for Kimi K3, got {v!r}"
+              for f, v in got.items() if f.fixed is not _ANY and v != f.fixed]
+    errors += [f"{f.where} {p}" for f, v in got.items() for p in rule_problems(f, v)]
+    used, experts = got[_ROW["num_experts_used"]], got[_ROW["num_experts"]]
+    if used > experts:
+        errors.append(f"{_ROW['num_experts_used'].where} ({used}) exceeds {_ROW['num_experts'].hf} ({experts})")
+    if got[_ROW["kda.num_heads"]] > got[_ROW["kda.head_dim"]]:
+        errors.append(f"{_ROW['kda.num_heads'].where} must not exceed {_ROW['kda.head_dim'].hf} "
+                      "(A_log is stored as [head_dim] with the per-head values first)")
+    return errors
+
+
+def _layer_kinds(got: dict[Field, Any], errors: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(KDA layers, MLA layers), 0-based; every layer exactly one of the two."""
+    n = got[_ROW["num_layers"]]
+    kda_row, mla_row = _ROW["kda.layers"], _ROW["mla_layers"]
+    kda_layers = _one_based_layers(kda_row.where, got[kda_row], n, errors)
+    mla_layers = _one_based_layers(mla_row.where, got[mla_row], n, errors)
+    both = sorted(set(kda_layers) & set(mla_layers))
+    neither = sorted(set(range(n)) - set(kda_layers) - set(mla_layers))
+    if both:
+        errors.append(f"layers {[l + 1 for l in both]} are in both {kda_row.hf} and {mla_row.hf} (1-based)")
+    if neither:
+        errors.append(f"layers {[l + 1 for l in neither]} are in neither {kda_row.hf} nor {mla_row.hf} (1-based)")
+    return kda_layers, mla_layers
+
+
+def _build(got: dict[Field, Any], kda_layers: tuple[int, ...], mla_layers: tuple[int, ...], group: int,
+           indexer: IndexerConfig | None) -> K3Config:
+    values = {f.attr: float(v) if f.kind == _Float else v for f, v in got.items()
+              if f.attr is not None and f.kind != _List}
+    kda = KDAConfig(**{k.name: values["kda." + k.name] for k in fields(KDAConfig) if k.name != "layers"},
+                    layers=kda_layers)
+    top = {k: v for k, v in values.items() if not k.startswith("kda.")}
+    return K3Config(**top, kda=kda, mla_layers=mla_layers, mxfp4_group_size=group, indexer=indexer)
+
+
 def parse_config(raw: dict, source: str = "config.json") -> K3Config:
     """Validate a parsed config.json and return the architecture; ConfigError lists every problem."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object at the top level")
     t = text_section(raw)
-    missing: list[str] = []
-    errors: list[str] = []
-    got = _collect(t, _TEXT_FIELDS, "text_config.", missing, errors)
-    lac = t.get("linear_attn_config")
-    if not isinstance(lac, dict):
-        missing.append("text_config.linear_attn_config")
-        lac = {}
-    kda = _collect(lac, _KDA_FIELDS, "text_config.linear_attn_config.", missing, errors)
-    if missing:
-        raise ConfigError(f"{source}: missing required field(s): {', '.join(missing)}")
-    if errors:
-        raise ConfigError(f"{source}: {'; '.join(errors)}")
-
-    _check_fixed_and_sizes(got, kda, errors)
-    n = got["num_hidden_layers"]
-    kda_layers = _one_based_layers("text_config.linear_attn_config.kda_layers", kda["kda_layers"], n, errors)
-    mla_layers = _one_based_layers("text_config.linear_attn_config.full_attn_layers", kda["full_attn_layers"], n, errors)
-    both = sorted(set(kda_layers) & set(mla_layers))
-    neither = sorted(set(range(n)) - set(kda_layers) - set(mla_layers))
-    if both:
-        errors.append(f"layers {[l + 1 for l in both]} are in both kda_layers and full_attn_layers (1-based)")
-    if neither:
-        errors.append(f"layers {[l + 1 for l in neither]} are in neither kda_layers nor full_attn_layers (1-based)")
+    got = _collect(t, source)
+    errors = _value_problems(got)
+    kda_layers, mla_layers = _layer_kinds(got, errors)
     group = _mxfp4_group_size(t, errors)
-    indexer = _indexer(t, n, mla_layers, errors)
+    indexer = _indexer(t, got[_ROW["num_layers"]], mla_layers, errors)
     if errors:
         raise ConfigError(f"{source}: {'; '.join(errors)}")
-
-    return K3Config(
-        vocab_size=got["vocab_size"],
-        hidden_size=got["hidden_size"],
-        num_layers=n,
-        num_heads=got["num_attention_heads"],
-        intermediate_size=got["intermediate_size"],
-        moe_intermediate_size=got["moe_intermediate_size"],
-        num_experts=got["num_experts"],
-        num_experts_used=got["num_experts_per_token"],
-        num_shared_experts=got["num_shared_experts"],
-        first_k_dense_replace=got["first_k_dense_replace"],
-        moe_layer_freq=got["moe_layer_freq"],
-        latent_size=got["routed_expert_hidden_size"],
-        latent_moe_use_norm=got["latent_moe_use_norm"],
-        moe_renormalize=got["moe_renormalize"],
-        routed_scaling_factor=float(got["routed_scaling_factor"]),
-        topk_group=got["topk_group"],
-        q_lora_rank=got["q_lora_rank"],
-        kv_lora_rank=got["kv_lora_rank"],
-        qk_nope_head_dim=got["qk_nope_head_dim"],
-        qk_rope_head_dim=got["qk_rope_head_dim"],
-        v_head_dim=got["v_head_dim"],
-        situ_beta=float(got["activation_situ_beta"]),
-        situ_linear_beta=float(got["activation_situ_linear_beta"]),
-        attn_res_block_size=got["attn_res_block_size"],
-        rms_norm_eps=float(got["rms_norm_eps"]),
-        context_length=got["max_position_embeddings"],
-        bos_token_id=got["bos_token_id"],
-        eos_token_id=got["eos_token_id"],
-        pad_token_id=got["pad_token_id"],
-        kda=KDAConfig(kda["num_heads"], kda["head_dim"], kda["short_conv_kernel_size"],
-                      float(kda["gate_lower_bound"]), kda_layers),
-        mla_layers=mla_layers,
-        mxfp4_group_size=group,
-        indexer=indexer,
-    )
+    return _build(got, kda_layers, mla_layers, group, indexer)
 
 
 def read_config_json(model_dir: Path | str) -> tuple[Path, Any]:

@@ -18,16 +18,13 @@ from gguf import GGUFValueType as T
 
 from ..arch.config import K3Config
 from ..arch.keys import FILE_TYPE_MXFP4_MOE, QUANTIZATION_VERSION, model_keys
-from ..arch.tensors import OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
+from ..arch.tensors import MXFP4_SUFFIXES, OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
 from ..arch.tokenizer import tokenizer_metadata
 from ..arch.transforms import SAME_BYTES
 from ..errors import CheckpointError
 from ..io.gguf_writer import KV, OutputTensor
 from ..io.safetensors import TensorMeta
 from quant_rules.rules import QuantOptions, Resolution, TypedTensor, resolve_types
-
-MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")
-
 
 def output_type(pt: PlannedTensor, source_dtype: str) -> Q:
     """The contract GGML type of one output tensor: the single place that decides it.

@@ -1,6 +1,6 @@
 """Checks made before the first output byte: is there room for the exact planned output?
 
-The source side is checked when the checkpoint is opened (`safetensors_index.open_checkpoint`:
+The source side is checked when the checkpoint is opened (`io.safetensors.open_checkpoint`:
 every shard listed in the index exists and is at least as long as its header says, exit 2); this
 module adds the output side, the free space of the output filesystem (exit 1).
 

@@ -1,16 +1,24 @@
 """Opening a GGUF given by the user with gguf-py: one line naming the file for every failure.
 
-The runner's loader, `--verify` and the tensor diff all open GGUFs through `open_gguf`.
+The runner's loader, `--verify` and the tensor diff all open GGUFs through `open_gguf`. The bytes
+of a row of each GGML type (`row_nbytes`) are written here once for the writer and the readers.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from gguf import GGUFReader
+from gguf import GGUFReader, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import GGUFError
 from .jsonfile import NotRegularFile, open_regular
+
+
+def row_nbytes(ggml_type: GGMLQuantizationType, row: int) -> int:
+    """Bytes of `row` values of `ggml_type` (whole blocks; the caller checks the row fills them)."""
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    return row // block * size
 
 
 def open_gguf(path: Path) -> GGUFReader:

@@ -27,6 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import WriterState
 
 from ..errors import KimiError, OutputError
+from .gguf_file import row_nbytes
 from .gguf_values import problem as value_problem
 from .output_paths import check_existing, create, partial_path
 from .pipeline import SerialWorker
@@ -36,10 +37,10 @@ KV = tuple[str, Any, GGUFValueType, "GGUFValueType | None"]
 
 def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor of logical numpy shape `shape`; the last dim must fill whole blocks."""
-    block, size = GGML_QUANT_SIZES[ggml_type]
+    block = GGML_QUANT_SIZES[ggml_type][0]
     if shape[-1] % block:
         raise ValueError(f"{ggml_type.name} needs the last dimension to be a multiple of {block}, got {shape}")
-    return math.prod(shape[:-1]) * (shape[-1] // block) * size
+    return math.prod(shape[:-1]) * row_nbytes(ggml_type, shape[-1])
 
 
 @dataclass(frozen=True)

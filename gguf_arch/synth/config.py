@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..arch.config import MXFP4_FORMAT
+from ..arch.mxfp4 import BLOCK
+
 # CLI key -> (section, field). Sections: text_config, its linear_attn_config, the K3.1-Pro
 # index_* fields (written only for k31pro).
 DIMENSIONS: dict[str, tuple[str, str]] = {
@@ -78,14 +81,14 @@ BOS_OFFSET, TURN_END_OFFSET, MEDIA_PAD_OFFSET, PAD_OFFSET = 0, 2, 21, 255
 
 _QUANTIZATION: dict[str, Any] = {
     "config_groups": {"group_0": {
-        "format": "mxfp4-pack-quantized", "input_activations": None, "output_activations": None,
+        "format": MXFP4_FORMAT, "input_activations": None, "output_activations": None,
         "targets": ["Linear"],
-        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": BLOCK,
                     "num_bits": 4, "observer": "minmax", "observer_kwargs": {},
                     "scale_dtype": "torch.uint8", "strategy": "group", "symmetric": True, "type": "float",
                     "zp_dtype": None},
     }},
-    "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
+    "format": MXFP4_FORMAT, "global_compression_ratio": None,
     "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
                "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",

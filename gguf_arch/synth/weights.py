@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from ..arch.config import K3Config
+from ..arch import tensors as T
 from ..arch.tensors import TensorSpec
 
 POOL = 1 << 20  # elements drawn per tensor at most
@@ -41,20 +42,20 @@ class Init:
 # Table rows whose sources are not drawn as a default projection (2-D, gain 1) or norm gain
 # (1-D, 1 + 0.1 N). Keyed by the table's GGUF name templates.
 ROW_INIT: dict[str, Init] = {
-    "token_embd.weight": Init("embed"),
-    "output.weight": Init("proj", 3.0),
-    "blk.{l}.attn_output.weight": Init("proj", 0.6),
-    "blk.{l}.ssm_f_b.weight": Init("proj", 0.8),
-    "blk.{l}.ssm_dt.bias": Init("bias", 0.45),
-    "blk.{l}.indexer.k_norm.weight": Init("gain", 0.2),
-    "blk.{l}.ffn_gate.weight": Init("proj", 1.5),
-    "blk.{l}.ffn_up.weight": Init("proj", 1.5),
-    "blk.{l}.ffn_gate_inp.weight": Init("proj", 2.0),
-    "blk.{l}.exp_probs_b.bias": Init("bias", 0.15),
-    "blk.{l}.ffn_routed_down.weight": Init("proj", 1.5),
-    "blk.{l}.ffn_routed_up.weight": Init("proj", 0.7),
-    "blk.{l}.ffn_gate_shexp.weight": Init("proj", 1.5),
-    "blk.{l}.ffn_up_shexp.weight": Init("proj", 1.5),
+    T.TOKEN_EMBD: Init("embed"),
+    T.OUTPUT: Init("proj", 3.0),
+    T.ATTN_OUTPUT: Init("proj", 0.6),
+    T.SSM_F_B: Init("proj", 0.8),
+    T.SSM_DT: Init("bias", 0.45),
+    T.INDEXER_K_NORM: Init("gain", 0.2),
+    T.FFN_GATE: Init("proj", 1.5),
+    T.FFN_UP: Init("proj", 1.5),
+    T.FFN_GATE_INP: Init("proj", 2.0),
+    T.EXP_PROBS_B: Init("bias", 0.15),
+    T.FFN_ROUTED_DOWN: Init("proj", 1.5),
+    T.FFN_ROUTED_UP: Init("proj", 0.7),
+    T.FFN_GATE_SHEXP: Init("proj", 1.5),
+    T.FFN_UP_SHEXP: Init("proj", 1.5),
 }
 # By transform: how the table's multi-source and special rows are drawn.
 _TRANSFORM_INIT = {

@@ -11,7 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+# Every type bounded here quantizes blocks of the same 32 values (ggml's QK8_0, QK4_0 ... QK_MXFP4).
+_BLOCK = GGML_QUANT_SIZES[Q.Q8_0][0]
 
 def f32_bound(x: np.ndarray) -> np.ndarray:
     return np.zeros_like(x)  # every source (bf16, f16, f32) widens to float32 exactly
@@ -31,7 +34,7 @@ def q8_0_bound(x: np.ndarray) -> np.ndarray:
     # Q8_0 (ggml quantize_row_q8_0): per 32-block d = max|x| / 127, q = round(x / d), stored q * f16(d).
     # |err| <= d/2 (rounding q) + 127 * |f16(d) - d|, with |f16(d) - d| <= max(d * 2^-11, 2^-25)
     # (f16 rounding, normal / subnormal); 2^-16 relative slack covers the float32 x * (1/d).
-    blocks = np.abs(x.astype(np.float64)).reshape(-1, 32)
+    blocks = np.abs(_blocks(x))
     d = blocks.max(axis=1, keepdims=True) / 127
     bound = (d / 2 + 127 * np.maximum(d * 2.0 ** -11, 2.0 ** -25)) * (1 + 2.0 ** -16)
     return np.broadcast_to(bound, blocks.shape).reshape(x.shape)
@@ -50,8 +53,8 @@ def q8_0_bound(x: np.ndarray) -> np.ndarray:
 _STEP_SLACK = 2.0 ** -12
 
 
-def _blocks_of_32(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float64).reshape(-1, 32)
+def _blocks(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64).reshape(-1, _BLOCK)
 
 
 def symmetric_bound(levels: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -61,7 +64,7 @@ def symmetric_bound(levels: int) -> Callable[[np.ndarray], np.ndarray]:
     nearest, except that t > levels - 1/2 (only values of the opposite sign to m) is clipped to
     levels - 1: |err| <= |d| * max(1/2, t - (levels - 1)) + levels * |f16(d) - d|."""
     def bound(x: np.ndarray) -> np.ndarray:
-        blocks = _blocks_of_32(x)
+        blocks = _blocks(x)
         m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
         step = np.abs(m) / levels
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -77,7 +80,7 @@ def offset_bound(levels: int) -> Callable[[np.ndarray], np.ndarray]:
     |err| <= d/2 + levels * |f16(d) - d| + |f16(min) - min|. (A block far from zero, |min| >> max - min,
     is as coarse as f16(min): that is the format's limit, and the bound says so.)"""
     def bound(x: np.ndarray) -> np.ndarray:
-        blocks = _blocks_of_32(x)
+        blocks = _blocks(x)
         low = blocks.min(axis=1, keepdims=True)
         step = (blocks.max(axis=1, keepdims=True) - low) / levels
         per_block = step * (0.5 + _STEP_SLACK) + levels * f16_bound(step) + f16_bound(low)
@@ -101,7 +104,7 @@ def mxfp4_bound(x: np.ndarray) -> np.ndarray:
     half a float32 ulp of log2: at most ~2^-18 relative) up to it and so uses the next exponent;
     blocks whose max is within 2^-14 below a power of two get the larger of both bounds. The bound
     assumes max|x| is 0 or at least 2^-125: below that ggml's exponent byte wraps around."""
-    blocks = np.abs(_blocks_of_32(x))
+    blocks = np.abs(_blocks(x))
     amax = blocks.max(axis=1, keepdims=True)
     _, exp = np.frexp(amax)  # amax = f * 2^exp, f in [0.5, 1): floor(log2 amax) = exp - 1
     scale = np.ldexp(1.0, exp - 3)

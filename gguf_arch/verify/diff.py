@@ -34,9 +34,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from ..arch.config import K3Config, load_config
-from ..arch.tensors import TABLE, PlannedTensor, plan_tensors
+from ..arch.tensors import LAYER, PlannedTensor, plan_tensors
 from ..errors import CheckpointError, GGUFError, KimiError, OneLineParser, run_cli
-from ..io.gguf_file import open_gguf
+from ..io.gguf_file import open_gguf, row_nbytes
 from ..io.safetensors import Checkpoint, open_checkpoint
 from ..io.split_names import part_paths
 from .bounds import BOUNDS
@@ -128,9 +128,7 @@ class _GGUF:
 
     def rows(self, name: str, first: int, count: int) -> np.ndarray:
         t = self.tensors[name]
-        ne0 = int(t.shape[0])
-        block, size = GGML_QUANT_SIZES[t.tensor_type]
-        row_bytes = ne0 // block * size
+        row_bytes = row_nbytes(t.tensor_type, int(t.shape[0]))
         start = t.data_offset + first * row_bytes
         data = self._reader_of[name].data
         return np.asarray(data[start: start + count * row_bytes]).reshape(count, row_bytes)
@@ -267,7 +265,7 @@ def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
 
 # ---- the diff over a layer selection --------------------------------------------------------
 
-_LAYER_PREFIX = next(s.gguf for s in TABLE if s.group == "layer").split("{l}")[0]  # "blk."
+_LAYER_PREFIX = LAYER.split("{l}")[0]  # "blk."
 
 
 def gguf_layer(name: str) -> int | None:

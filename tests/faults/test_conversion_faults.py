@@ -23,7 +23,8 @@ from gguf_arch.io import gguf_writer as writer_mod
 from gguf_arch.io.manifest import manifest_path
 from gguf_arch.io.gguf_writer import partial_path
 
-from tests.support.cli import FIXTURES, run_cli, start_cli
+from tests.support.cli import run_cli, start_cli
+from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"
 

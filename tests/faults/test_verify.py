@@ -19,7 +19,8 @@ from gguf_arch.io.manifest import MANIFEST_FORMAT, manifest_path, read_manifest
 from gguf_arch.synth.cli import plan_checkpoint, write_checkpoint
 from gguf_arch.synth.config import PRESETS
 
-from tests.support.cli import FIXTURES, peak_rss_kib, run_cli
+from tests.support.cli import peak_rss_kib, run_cli
+from tests.support.paths import FIXTURES
 
 PRO = FIXTURES / "k31pro-tiny"
 

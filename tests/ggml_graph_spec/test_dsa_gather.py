@@ -9,8 +9,7 @@ import pytest
 from ggml_graph_spec.blocks import mla
 from ggml_graph_spec.model import EvalError, Model
 
-from .test_f32_experts import k31pro_f32_gguf  # noqa: F401 (fixture)
-from .test_model import N_CTX, _reference
+from tests.support.reference import N_CTX, load_reference
 
 # The two paths sum the same nonzero softmax terms in different orders (over k gathered rows
 # vs over the whole cache with zeros): fp32 rounding, amplified by this random model's depth
@@ -37,14 +36,14 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.parametrize("top_k", (3, 8, 40))
 def test_gathered_equals_masked_on_the_exact_path(k31pro_tiny_gguf, k31pro_tiny_dir, top_k):
-    ids = _reference(k31pro_tiny_dir)["input_ids_long"]
+    ids = load_reference(k31pro_tiny_dir)["input_ids_long"]
     masked = _logits(k31pro_tiny_gguf, "masked", ids, exact=True, top_k=top_k)
     gathered = _logits(k31pro_tiny_gguf, "gather", ids, exact=True, top_k=top_k)
     assert _rel(gathered, masked) < EXACT_REL_TOL
 
 
 def test_gathered_query_groups_do_not_change_the_logits(k31pro_tiny_gguf, k31pro_tiny_dir, monkeypatch):
-    ids = _reference(k31pro_tiny_dir)["input_ids_long"]
+    ids = load_reference(k31pro_tiny_dir)["input_ids_long"]
     whole = _logits(k31pro_tiny_gguf, "gather", ids, exact=True, top_k=8)
     monkeypatch.setattr(mla, "GATHER_CHUNK_BYTES", 8 * 576 * 4 * 7)  # 7 queries per group
     grouped = _logits(k31pro_tiny_gguf, "gather", ids, exact=True, top_k=8)
@@ -55,7 +54,7 @@ def test_gathered_equals_masked_on_the_fast_path(k31pro_f32_gguf, k31pro_tiny_di
     """Compared after the first DSA layer, where the two paths first differ: further down, an
     F16-step difference sooner or later flips one of the top-8 choices of a later DSA layer
     (measured: layer 11, position 81), and from there the two runs are different selections."""
-    ids = _reference(k31pro_tiny_dir)["input_ids_long"]
+    ids = load_reference(k31pro_tiny_dir)["input_ids_long"]
     hidden = {}
     for path in ("masked", "gather"):
         m = Model.load(k31pro_f32_gguf, n_ctx=N_CTX, top_k=8, dsa_path=path, n_threads=2)

@@ -4,37 +4,26 @@ fixture's reference as the BF16/MXFP4 GGUF does, and the exact path's chunked de
 (GraphBuild.mm) gives the same logits whatever the chunk size."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-import convert_kimi_k3
 from ggml_graph_spec import graph, model
 from ggml_graph_spec.model import Model
 
-from .test_model import N_CTX, _assert_logits, _reference
-
-
-@pytest.fixture(scope="module")
-def k31pro_f32_gguf(tmp_path_factory, k31pro_tiny_dir) -> Path:
-    out = tmp_path_factory.mktemp("f32") / "k31pro-f32.gguf"
-    assert convert_kimi_k3.main([str(k31pro_tiny_dir), str(out), "--quiet", "--outtype", "f32",
-                                 "--requantize-experts", "f32"]) == 0
-    return out
+from tests.support.reference import N_CTX, assert_logits, load_reference
 
 
 @pytest.mark.parametrize("prompt", ("short", "long"))
 def test_all_f32_gguf_exact_path_matches_the_reference(k31pro_f32_gguf, k31pro_tiny_dir, prompt):
-    ref = _reference(k31pro_tiny_dir)
+    ref = load_reference(k31pro_tiny_dir)
     m = Model.load(k31pro_f32_gguf, n_ctx=N_CTX, exact_experts=True, n_threads=1)
     try:
         assert {t.contents.type for n, t in m.weights.tensors.items() if n.endswith("_exps.weight")} == {Q.F32}
         # Only the protected indexer projections keep the checkpoint's BF16 (quant_rules).
         assert {n.split(".", 2)[2] for n, t in m.weights.tensors.items() if t.contents.type != Q.F32} == {
             "indexer.attn_q_b.weight", "indexer.attn_k.weight"}
-        _assert_logits(m.eval(ref[f"input_ids_{prompt}"]), ref[f"logits_{prompt}"], f"logits_{prompt}")
+        assert_logits(m.eval(ref[f"input_ids_{prompt}"]), ref[f"logits_{prompt}"], f"logits_{prompt}")
     finally:
         m.close()
 
@@ -42,7 +31,7 @@ def test_all_f32_gguf_exact_path_matches_the_reference(k31pro_f32_gguf, k31pro_t
 def test_all_f32_gguf_fast_path_runs_the_f32_experts(k31pro_f32_gguf, k31pro_tiny_dir):
     """mul_mat_id straight on the F32 experts: with no weight to round activations to, the fast
     path differs from the exact one only by its F16 latent cache and flash attention."""
-    ref = _reference(k31pro_tiny_dir)
+    ref = load_reference(k31pro_tiny_dir)
     m = Model.load(k31pro_f32_gguf, n_ctx=N_CTX, n_threads=1)
     try:
         got, want = m.eval(ref["input_ids_long"]), ref["logits_long"]
@@ -54,7 +43,7 @@ def test_all_f32_gguf_fast_path_runs_the_f32_experts(k31pro_f32_gguf, k31pro_tin
 
 
 def test_exact_path_dequantization_chunks_do_not_change_the_logits(k31pro_tiny_gguf, k31pro_tiny_dir, monkeypatch):
-    ref = _reference(k31pro_tiny_dir)
+    ref = load_reference(k31pro_tiny_dir)
     ids = ref["input_ids_short"]
     m = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, exact_experts=True, n_threads=1)
     try:

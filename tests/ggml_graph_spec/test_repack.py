@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from ggml_graph_spec.model import EvalError, Model
 from tests.support.gguf_edit import rewritten_copy
 
-from .test_model import N_CTX, _reference
+from tests.support.reference import N_CTX, load_reference
 
 # Both paths quantize the activations to Q8_0 blocks the same way and take the same integer block
 # dot products; only the float accumulation of the block results may run in another order (8
@@ -38,7 +38,7 @@ def _load(gguf, **kw) -> Model:
 
 @pytest.mark.parametrize("prompt", ("short", "long"))
 def test_repacked_experts_give_the_mapped_logits(k31pro_tiny_gguf, k31pro_tiny_dir, prompt):
-    ref = _reference(k31pro_tiny_dir)
+    ref = load_reference(k31pro_tiny_dir)
     mapped, packed = _load(k31pro_tiny_gguf), _load(k31pro_tiny_gguf, repack=True)
     try:
         experts = [n for n in mapped.weights.tensors if n.endswith("_exps.weight")]

@@ -84,7 +84,7 @@ def trained() -> tuple[BPETokenizer, tiktoken.Encoding]:
 # --- the pre-tokenizer -----------------------------------------------------------------------------
 
 def test_pattern_is_the_fixture_readme_pat_str() -> None:
-    readme = (K3_TINY / "README.md").read_text().splitlines()
+    readme = (FIXTURES / "README.md").read_text().splitlines()
     assert [line for line in readme if line.startswith(r"[\p{Han}]+|")] == [KIMI_K2_PATTERN]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import ggml
 
+from gguf_arch.arch.tensors import LAYER
 from ggml_graph_spec.cache import SequenceCache
 from ggml_graph_spec.graph import F32, Executor, GraphBuild, new_tensor
 
@@ -14,16 +15,21 @@ N_NODES = 4096  # one attention layer needs a few hundred
 
 
 class _Weights:
-    """`w(suffix)`, `w.has(suffix)`, `w.layer`, `w.cfg`, as the loader's LayerWeights."""
+    """`w(name)`, `w.has(name)`, `w.layer`, `w.cfg`, as the loader's LayerWeights; the tensors are
+    keyed by what follows "blk.{l}." in the table's names (the layer is implied)."""
 
     def __init__(self, cfg, layer: int, tensors: dict):
         self.cfg, self.layer, self._t = cfg, layer, tensors
 
-    def __call__(self, suffix: str):
-        return self._t[suffix]
+    def __call__(self, name: str):
+        return self._t[_suffix(name)]
 
-    def has(self, suffix: str) -> bool:
-        return suffix in self._t
+    def has(self, name: str) -> bool:
+        return _suffix(name) in self._t
+
+
+def _suffix(name: str) -> str:
+    return name.removeprefix(LAYER)
 
 
 class AttnGraph:

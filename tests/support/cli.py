@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.paths import FIXTURES, REPO
+from tests.support.paths import REPO
 
 
 @dataclass

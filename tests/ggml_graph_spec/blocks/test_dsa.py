@@ -2,17 +2,16 @@
 (k31pro-format.md section 3): scores, the tie-exact top-k selection, the mask, DSA attention."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import ggml
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gguf_arch.arch.config import load_config
 from ggml_graph_spec.blocks import dsa, mla
-from tests.support import attn_reference as ref
 from ggml_graph_spec.graph import causal_mask
+from gguf_arch.arch.config import load_config
+
+from tests.support import attn_reference as ref
 from tests.support.attn_graph import AttnGraph
 from tests.support.paths import K31PRO_TINY as FIXTURE
 

@@ -1,15 +1,14 @@
 """The gated NoPE MLA builder (absorbed form, latent cache) against the spec's un-absorbed math."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from gguf_arch.arch.config import load_config
 from ggml_graph_spec.blocks import mla
-from tests.support import attn_reference as ref
 from ggml_graph_spec.graph import causal_mask
+from gguf_arch.arch.config import load_config
+
+from tests.support import attn_reference as ref
 from tests.support.attn_graph import AttnGraph
 from tests.support.paths import K31PRO_TINY as FIXTURE
 
