@@ -36,7 +36,7 @@ DEFAULT_CTX = 4096  # llama-cli's -c default
 class _Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block before its message; the tools promise one line.
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
 # ---------------------------------------------------------------------------------------------

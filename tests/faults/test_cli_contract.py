@@ -47,7 +47,8 @@ def test_a_closed_pipe_stops_every_tool_quietly(k3_tiny_gguf, tmp_path, tool, ar
 
 
 @pytest.mark.parametrize("tool,args", [("convert", ()), ("diff", ()), ("synth", ()), ("convert", ("--bogus",)),
-                                       ("convert", (K3_TINY, "o.gguf", "--split-max-tensors", "x"))])
+                                       ("convert", (K3_TINY, "o.gguf", "--split-max-tensors", "x")), ("cli", ()),
+                                       ("cli", ("-m", "x.gguf", "--temp", "warm"))])
 def test_usage_errors_are_one_line_then_see_help(tool, args):
     res = run_tool(tool, *args)
     res.one_error_line(2, "(see --help)")
