@@ -1,7 +1,7 @@
 """The command-line contract of every tool (classes 8, 10, 11): a closed stdout pipe stops it
 quietly (exit 141, nothing on stderr), a usage error is one line ending in "see --help", a
 combination whose option would be silently ignored is refused in one line, and error lines say
-what is true. Child processes throughout (tests/support/tools.py)."""
+what is true. Child processes throughout (tests/support/cli.py)."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import FIXTURES, run_cli
-from tests.support.paths import REPO
-from tests.support.tools import NO_GGML, run_tool, tool_code
+from tests.support.cli import NO_GGML, run_cli, run_tool, tool_code
+from tests.support.paths import FIXTURES, REPO
 
 K3_TINY = FIXTURES / "k3-tiny"
 K31PRO_TINY = FIXTURES / "k31pro-tiny"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from gguf import GGMLQuantizationType as Q
@@ -15,7 +15,8 @@ from gguf_arch.io.nonfinite import NonFiniteScan
 from gguf_arch.io.output_paths import manifest_path, partial_path
 from tests.fuzz.harness import FUZZ
 from tests.support.checkpoint_edit import EditableCheckpoint, source_array
-from tests.support.cli import FIXTURES, run_cli
+from tests.support.cli import run_cli
+from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"
 L = "language_model.model.layers."

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from gguf_arch.io.output_paths import manifest_path, partial_path
 from tests.fuzz.harness import FUZZ
-from tests.support.cli import FIXTURES, run_cli
+from tests.support.cli import run_cli
+from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"
 SHARD = "model-00003-of-000016.safetensors"

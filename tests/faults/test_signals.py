@@ -5,16 +5,15 @@ once, naming the first one's PID. All in child processes, slowed so that the sig
 mid-write; waits are bounded by deadlines (a failure, never a hang)."""
 from __future__ import annotations
 
-import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from gguf_arch.io.output_lock import lock_path
 from gguf_arch.io.output_paths import manifest_path, partial_path
-from tests.support.cli import FIXTURES, run_cli, start_cli
+from tests.support.cli import run_cli, start_cli
+from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"
 SLOW = ("import time, gguf_arch.convert.run as m\nreal = m.tensor_chunks\n"

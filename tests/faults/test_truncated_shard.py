@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from gguf_arch.io.output_paths import manifest_path, partial_path
-from tests.support.cli import FIXTURES, run_cli
+from tests.support.cli import run_cli
+from tests.support.paths import FIXTURES
 
 K3_TINY = FIXTURES / "k3-tiny"
 EMBED = "language_model.model.embed_tokens.weight"

@@ -20,8 +20,8 @@ from gguf_arch.errors import ConfigError
 from gguf_arch.io.gguf_values import problem
 
 from .harness import FUZZ, assert_clean
+from tests.support.cli import run_tool
 from tests.support.paths import K3_TINY, K31PRO_TINY
-from tests.support.tools import run_tool
 
 RAW = json.loads((K31PRO_TINY / "config.json").read_text())
 TEXT = RAW["text_config"]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.fuzz.harness import FUZZ
-from tests.support.tools import NO_GGML, run_tool
+from tests.support.cli import NO_GGML, run_tool
 
 BAD_OVERRIDES = {
     "kimi-k3.attention.indexer.top_k=int:0": "must be >= 1",  # was ZeroDivisionError
