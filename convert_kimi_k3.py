@@ -8,7 +8,7 @@
 
 Exit codes: 0 ok, 2 bad input (including a missing or truncated shard), 1 runtime failure (I/O,
 not enough free disk, output exists; with --verify: the first difference from the manifest or the
-checkpoint), 130 Ctrl-C.
+checkpoint), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_fi
 from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
 from gguf_arch.io.console import ArgumentParser
+from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
 from quant_rules.options import (add_quant_arguments, format_tensor_types, quant_options, requantize_warning,
@@ -51,10 +52,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", type=Path, metavar="FILE",
                    help="write one JSON progress line per tensor to FILE (file, tensor, bytes done/total, "
                         "elapsed, rate)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="write tensors holding NaN or inf (one warning line per tensor) instead of refusing them")
     p.add_argument("--verify", type=Path, metavar="OUT.gguf",
                    help="re-check OUT.gguf against its .sha256.json manifest and every tensor against MODEL_DIR")
     add_quant_arguments(p)
     return p
+
+
+def _list_only(args: argparse.Namespace, quant, split: SplitLimits, log) -> None:
+    """--print-tensor-types and --dry-run: print; the one file written is --export-quantize-rules."""
+    types, source, cfg = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
+    if args.export_quantize_rules:
+        guard = OutputPaths([(args.model_dir, "the model directory")])
+        guard.add(args.export_quantize_rules, "the llama-quantize rules (--export-quantize-rules)",
+                  replace=args.overwrite)
+        guard.check()
+    if args.print_tensor_types:
+        print("\n".join([source, *dsa_key_lines(cfg), *types.log, *format_tensor_types(types)]))
+    if args.dry_run:
+        print("\n".join(plan_lines(*planned_files(args.model_dir, args.out, dsa=not args.no_dsa, quant=quant,
+                                                  split=split))))
+    if args.export_quantize_rules:
+        log(write_quantize_rules(args.export_quantize_rules, types, args.overwrite))
 
 
 def _run(args: argparse.Namespace, log) -> None:
@@ -64,22 +84,54 @@ def _run(args: argparse.Namespace, log) -> None:
     quant = quant_options(args)
     if quant.requantize_experts is not None:
         print(requantize_warning(quant.requantize_experts), file=sys.stderr)
-    if args.print_tensor_types or args.export_quantize_rules:
-        types, source, cfg = listing_resolution(args.model_dir, quant, dsa=not args.no_dsa)
-        if args.print_tensor_types:
-            print("\n".join([source, *dsa_key_lines(cfg), *types.log, *format_tensor_types(types)]))
-        if args.export_quantize_rules:
-            log(write_quantize_rules(args.export_quantize_rules, types))
     split = SplitLimits(parse_size(args.split_max_size) if args.split_max_size is not None else 0,
                         args.split_max_tensors)
-    if args.dry_run:
-        print("\n".join(plan_lines(*planned_files(args.model_dir, args.out, dsa=not args.no_dsa, quant=quant,
-                                                  split=split))))
-    elif not args.print_tensor_types:
-        output = OutputOptions(split, args.resume, progress_bar=not args.quiet and sys.stderr.isatty(),
-                               log_json=args.log_json)
-        convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant,
-                output=output, log=log)
+    if args.print_tensor_types or args.dry_run:
+        _list_only(args, quant, split, log)
+        return
+    output = OutputOptions(split, args.resume, progress_bar=not args.quiet and sys.stderr.isatty(),
+                           log_json=args.log_json, export_rules=args.export_quantize_rules,
+                           allow_non_finite=args.allow_non_finite)
+    convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant,
+            output=output, log=log)
+
+
+# Options that only a conversion reads: (attribute, flag), set when not at their default.
+_WRITING = (("overwrite", "--overwrite"), ("resume", "--resume"), ("split_max_size", "--split-max-size"),
+            ("split_max_tensors", "--split-max-tensors"), ("log_json", "--log-json"),
+            ("allow_non_finite", "--allow-non-finite"))
+_CONVERTING = (*_WRITING, ("no_dsa", "--no-dsa"), ("dry_run", "--dry-run"),
+               ("print_tensor_types", "--print-tensor-types"), ("export_quantize_rules", "--export-quantize-rules"),
+               ("tensor_type", "--tensor-type"), ("tensor_type_file", "--tensor-type-file"),
+               ("output_tensor_type", "--output-tensor-type"), ("token_embedding_type", "--token-embedding-type"),
+               ("requantize_experts", "--requantize-experts"))
+
+
+def _given(args: argparse.Namespace, options) -> list[str]:
+    return [flag for attr, flag in options if getattr(args, attr) not in (None, False, 0, [])]
+
+
+def _refuse_ignored(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A combination whose option would be silently ignored is refused in one line."""
+    if args.verify:
+        ignored = _given(args, _CONVERTING) + (["OUT"] if args.out is not None else [])
+        if ignored:
+            parser.error(f"--verify takes OUT.gguf MODEL_DIR and checks it; {', '.join(ignored)} would be ignored")
+        return
+    if args.print_tensor_types:
+        ignored = _given(args, [o for o in _WRITING if o[0] != "overwrite"]) + (["OUT"] if args.out else [])
+        if ignored:
+            parser.error(f"--print-tensor-types converts nothing; {', '.join(ignored)} would be ignored")
+    elif args.dry_run:
+        ignored = _given(args, [o for o in _WRITING if not o[0].startswith("split") and o[0] != "overwrite"])
+        if ignored:
+            parser.error(f"--dry-run writes nothing; {', '.join(ignored)} would be ignored")
+    if args.out is None and not args.print_tensor_types:
+        parser.error("the output file OUT (or --outfile OUT) is required unless --print-tensor-types is given")
+    if args.resume and args.overwrite:
+        parser.error("--resume keeps verified finished files, --overwrite replaces everything: pick one")
+    if args.split_max_tensors < 0:
+        parser.error("--split-max-tensors must be a positive number of tensors")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -89,14 +141,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         if args.out is not None and args.out != args.outfile:
             parser.error(f"two outputs: OUT {args.out} and --outfile {args.outfile}; give one")
         args.out = args.outfile
-    if args.verify and args.out is not None:
-        parser.error("--verify takes OUT.gguf MODEL_DIR and no second output")
-    if args.out is None and not args.print_tensor_types and not args.verify:
-        parser.error("the output file OUT (or --outfile OUT) is required unless --print-tensor-types is given")
-    if args.resume and args.overwrite:
-        parser.error("--resume keeps verified finished files, --overwrite replaces everything: pick one")
-    if args.split_max_tensors < 0:
-        parser.error("--split-max-tensors must be a positive number of tensors")
+    _refuse_ignored(parser, args)
     return args
 
 
@@ -106,7 +151,7 @@ def _main(argv: list[str] | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: _main(argv), interrupted="interrupted; no output written")
+    return run_cli(lambda: _main(argv), interrupted="no output written")
 
 
 if __name__ == "__main__":

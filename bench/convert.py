@@ -42,7 +42,10 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # scan_cost imports the converter's scan
 SDIST = "llama-cpp-python==0.3.36"
 SYNTH = ["--preset", "large", "--variant", "k3"]
 POLL_S = 0.02
@@ -135,11 +138,30 @@ def _fresh(out: Path) -> Path:
     return out
 
 
-def run_all(workdir: Path, cold: bool, experts: int) -> dict:
+def scan_cost(gguf: Path) -> dict:
+    """CPU seconds of the non-finite scan (gguf_arch/io/nonfinite.py) over every tensor of the
+    GGUF just written, fed in the converter's 16 MiB chunks already in memory (the page faults of
+    reading them are not the scan's): the check's share of a conversion, which runs it inside its
+    one streaming pass."""
+    from gguf import GGUFReader
+    from gguf_arch.io.nonfinite import NonFiniteScan
+    reader = GGUFReader(gguf)
+    cpu = 0.0
+    for t in reader.tensors:
+        scan = NonFiniteScan(t.tensor_type)
+        data = reader.data[t.data_offset:t.data_offset + int(t.n_bytes)]
+        for start in range(0, data.size, 16 << 20):
+            chunk = np.array(data[start:start + (16 << 20)])  # in memory first, as the converter's buffers are
+            t0 = time.process_time()
+            scan.feed(chunk)
+            cpu += time.process_time() - t0
+    return {"scan_cpu_s": round(cpu, 2)}
+
+
+def run_all(workdir: Path, cold: bool, experts: int, llama_cpp: bool = True) -> dict:
     model, half = workdir / f"k3-large-e{experts}", workdir / f"k3-large-e{experts // 2}"
     synth(model, "--experts", str(experts))
     synth(half, "--experts", str(experts // 2))
-    llama_dir = llama_cpp_tree(workdir)
     nbytes = sum(p.stat().st_size for p in _shards(model))
     out = workdir / "out"
     runs = {}
@@ -148,15 +170,20 @@ def run_all(workdir: Path, cold: bool, experts: int) -> dict:
     prepare_cache(model, cold)
     ours = [sys.executable, str(REPO / "convert_kimi_k3.py"), "--quiet"]
     runs["ours"] = measure([*ours, str(model), str(_fresh(out) / "k3.gguf")], nbytes, cwd=REPO)
-    prepare_cache(model, cold)
-    runs["llama_cpp"] = measure([sys.executable, "-c", LLAMA_RUNNER, str(llama_dir), str(model),
-                                 str(_fresh(out) / "k3-llama.gguf")], nbytes)
+    scan = scan_cost(out / "k3.gguf")
+    scan["share_of_ours_wall"] = round(scan["scan_cpu_s"] / runs["ours"]["wall_s"], 3)
+    if llama_cpp:
+        llama_dir = llama_cpp_tree(workdir)
+        prepare_cache(model, cold)
+        runs["llama_cpp"] = measure([sys.executable, "-c", LLAMA_RUNNER, str(llama_dir), str(model),
+                                     str(_fresh(out) / "k3-llama.gguf")], nbytes)
     half_bytes = sum(p.stat().st_size for p in _shards(half))
     prepare_cache(half, cold)
     runs["ours_half_experts"] = measure([*ours, str(half), str(_fresh(out) / "k3-half.gguf")], half_bytes, cwd=REPO)
     shutil.rmtree(out, ignore_errors=True)
     return {
-        "command": f"python bench/convert.py --workdir DIR --experts {experts}" + (" --cold" if cold else ""),
+        "command": f"python bench/convert.py --workdir DIR --experts {experts}" + (" --cold" if cold else "")
+                   + ("" if llama_cpp else " --no-llama-cpp"),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                     "loadavg_at_end": os.getloadavg()},
@@ -164,8 +191,10 @@ def run_all(workdir: Path, cold: bool, experts: int) -> dict:
         "checkpoint": {"synth": [*SYNTH, "--experts", str(experts)], "bytes": nbytes, "shards": len(_shards(model)),
                        "half_experts_bytes": half_bytes},
         "runs": runs,
+        "non_finite_scan": scan,
         "ratios": {"ours_vs_copy_throughput": round(runs["copy"]["wall_s"] / runs["ours"]["wall_s"], 3),
-                   "ours_vs_llama_cpp_throughput": round(runs["llama_cpp"]["wall_s"] / runs["ours"]["wall_s"], 3),
+                   **({"ours_vs_llama_cpp_throughput": round(runs["llama_cpp"]["wall_s"] / runs["ours"]["wall_s"], 3)}
+                      if llama_cpp else {}),
                    "ours_peak_rss_full_vs_half": round(runs["ours"]["peak_rss_mib"]
                                                        / runs["ours_half_experts"]["peak_rss_mib"], 3)},
         "targets": {"throughput_at_least_0.8x_copy": runs["copy"]["wall_s"] / runs["ours"]["wall_s"] >= 0.8,
@@ -180,10 +209,12 @@ def main(argv: list[str] | None = None) -> int:
                         "checkpoints already there are reused")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run (root) instead of warming it")
     p.add_argument("--experts", type=int, default=64, help="routed experts of the main checkpoint (64: 9.1 GB)")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip llama.cpp's converter (it needs the bench extra's transformers)")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "convert.json")
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    result = run_all(args.workdir.resolve(), args.cold, args.experts)
+    result = run_all(args.workdir.resolve(), args.cold, args.experts, llama_cpp=not args.no_llama_cpp)
     text = json.dumps(result, indent=2)
     print(text)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,6 @@ errors go to stderr, as llama.cpp logs them.
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
 import time
@@ -17,26 +16,25 @@ from typing import Any, Sequence
 
 import ggml
 import numpy as np
-from gguf import Keys
 
-from gguf_arch.arch import keys as K
 from gguf_arch.arch.config import K3Config
-from gguf_arch.arch.tensors import plan_tensors
+from gguf_arch.arch.keys import config_from_metadata
 from gguf_arch.errors import run_cli
-from gguf_arch.io.console import ArgumentParser, UsageError, human_size
+from gguf_arch.io.console import ArgumentParser, human_size
+from gguf_arch.io.jsonfile import read_text
 
 from .chat import Conversation, add_chat_arguments, chat_template, parse_template_kwargs, run_interactive
 from .generate import StopRules, Timings, generate, sigint_stops
 from .graph import DSA_PATHS
-from .loader import GGUFWeights, config_from_metadata, load_gguf
+from .loader import load_gguf
 from .model import Model
 from .perplexity import chunk_count, perplexity
 from .sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP, DEFAULT_TOP_K,
                        DEFAULT_TOP_P, Sampler, SamplingParams)
 from .tokenizer import BPETokenizer
+from .validation import RANDOM_SEED, UsageError, apply_overrides, check_dsa, check_options, tokenizer_settings
 
 DEFAULT_CTX = 4096  # llama-cli's -c default
-RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_arguments(p)
     p.add_argument("--override-kv", type=_override, action="append", default=[], metavar="KEY=TYPE:VALUE",
                    help="override a GGUF metadata value, e.g. kimi-k3.attention.indexer.top_k=int:64 (repeatable)")
-    p.add_argument("--dsa", choices=("on", "off"), default="on",
-                   help="run the DSA indexer of a K3.1-Pro GGUF (off: dense MLA attention)")
+    p.add_argument("--dsa", choices=("on", "off"), default=None,
+                   help="run the DSA indexer of a K3.1-Pro GGUF (default: on; off: dense MLA attention)")
     p.add_argument("--dsa-path", choices=DSA_PATHS, default=None,
                    help="DSA attention: gather = over only the top_k selected cache rows per query, masked = over "
                         "the whole cache with the selection as a mask (same logits to rounding; default: gather, "
@@ -125,27 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
     return p
-
-
-def _check_args(a: argparse.Namespace) -> None:
-    if a.perplexity and a.file is None:
-        raise UsageError("--perplexity needs -f FILE")
-    for name, value, low in (("-c/--ctx-size", a.ctx_size, 0), ("-t/--threads", a.threads or 1, 1),
-                             ("--min-p", a.min_p, 0.0), ("--repeat-last-n", a.repeat_last_n, -1), ("-s/--seed", a.seed, -1)):
-        if value < low:
-            raise UsageError(f"{name} must be >= {low}, got {value}")
-    if not 0.0 <= a.top_p <= 1.0:
-        raise UsageError(f"--top-p must be in [0, 1], got {a.top_p}")
-    if not a.repeat_penalty > 0:
-        raise UsageError(f"--repeat-penalty must be > 0, got {a.repeat_penalty}")
-    if a.seed > RANDOM_SEED:
-        raise UsageError(f"-s/--seed must be at most {RANDOM_SEED} (a 32-bit seed, as llama.cpp's), got {a.seed}")
-    if a.repack and a.exact_experts:
-        raise UsageError("--repack applies to the fast path, not with --exact-experts")
-    if a.tensor_split is not None and a.rpc is None:
-        raise UsageError("--tensor-split needs --rpc")
-    if a.repack and a.rpc is not None:
-        raise UsageError("--repack applies to this host's weights only, not with --rpc")
 
 
 def run_mode(a: argparse.Namespace) -> str:
@@ -170,64 +147,13 @@ def run_mode(a: argparse.Namespace) -> str:
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
+    # The one FIFO-safe reader: a FIFO, socket or device given as -f is refused, never waited on.
+    return read_text(path, UsageError, "no such file")
 
 
 # ---------------------------------------------------------------------------------------------
 # loading: overrides, context size, summary
 # ---------------------------------------------------------------------------------------------
-
-# Tokenizer keys the runner reads, and the BPETokenizer attribute each one sets.
-_TOKENIZER_OVERRIDES = {Keys.Tokenizer.BOS_ID: "bos_id", Keys.Tokenizer.EOS_ID: "eos_id",
-                        Keys.Tokenizer.ADD_BOS: "add_bos"}
-
-
-def _override_type_matches(value: Any, current: Any) -> bool:
-    # bool is an int subclass: compare exact types, except that an int may override a float.
-    return type(value) is type(current) or (type(value) is int and type(current) is float)
-
-
-def apply_kv_overrides(weights: GGUFWeights, tokenizer: BPETokenizer, overrides: dict[str, Any]) -> None:
-    """Apply --override-kv values to what the runner reads: the kimi-k3 keys (the config is rebuilt
-    and re-checked from them) and the tokenizer's special ids and add-BOS flag.
-
-    A value may change anything but the tensor layout: the tensors were validated against the
-    file's own keys, and a ggml op on a mis-shaped tensor aborts the process.
-    """
-    if not overrides:
-        return  # the loader's config stands: nothing to rebuild
-    where = f"{weights.path}: --override-kv"
-    meta = dict(weights.metadata)
-    for key, value in overrides.items():
-        if key not in meta:
-            raise UsageError(f"{where} {key}: the GGUF has no such key")
-        if not key.startswith(f"{K.ARCH}.") and key not in _TOKENIZER_OVERRIDES:
-            raise UsageError(f"{where} {key}: not a key this runner reads (kimi-k3.* or "
-                             f"{', '.join(_TOKENIZER_OVERRIDES)})")
-        if not _override_type_matches(value, meta[key]):
-            raise UsageError(f"{where} {key}: the file stores a {type(meta[key]).__name__}, "
-                             f"the override is a {type(value).__name__}")
-        meta[key] = float(value) if type(meta[key]) is float else value
-    cfg = config_from_metadata(meta, where)
-    if _layout(cfg) != _layout(weights.cfg):
-        raise UsageError(f"{where}: {', '.join(overrides)} would change the tensor layout; only values "
-                         "that keep every tensor's shape can be overridden")
-    weights.cfg, weights.metadata = cfg, meta
-    for key, attr in _TOKENIZER_OVERRIDES.items():
-        if key in overrides:
-            setattr(tokenizer, attr, overrides[key])
-
-
-def _layout(cfg: K3Config) -> list[tuple[str, tuple[int, ...]]]:
-    return [(p.name, p.shape) for p in plan_tensors(cfg)]
-
 
 def _context_size(requested: int, cfg: K3Config) -> int:
     if requested == 0:
@@ -239,14 +165,22 @@ def _context_size(requested: int, cfg: K3Config) -> int:
 
 def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
     """The model and tokenizer as the arguments ask for them."""
-    weights = load_gguf(args.model, repack=args.repack)
+    overrides = dict(args.override_kv)
+
+    def adjust(meta: dict[str, Any], cfg: K3Config) -> tuple[dict[str, Any], K3Config]:
+        # Before any ggml object: the overrides and the context size against the model's.
+        meta, cfg = apply_overrides(meta, cfg, overrides, str(args.model), config_from_metadata)
+        _context_size(args.ctx_size, cfg)
+        check_dsa(args.dsa, args.dsa_path, cfg, str(args.model))
+        return meta, cfg
+    weights = load_gguf(args.model, repack=args.repack, adjust=adjust)
     try:
         tokenizer = BPETokenizer.from_gguf(weights.reader)
-        apply_kv_overrides(weights, tokenizer, dict(args.override_kv))
+        for attr, value in tokenizer_settings(overrides).items():
+            setattr(tokenizer, attr, value)
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
-                      dsa=args.dsa == "on", top_k=None, n_threads=args.threads or os.cpu_count() or 1,
-                      dsa_path=args.dsa_path, rpc=args.rpc or (), tensor_split=args.tensor_split,
-                      progress=sys.stderr.isatty())
+                      dsa=args.dsa != "off", top_k=None, n_threads=args.threads, dsa_path=args.dsa_path,
+                      rpc=args.rpc or (), tensor_split=args.tensor_split, progress=sys.stderr.isatty())
     except BaseException:
         weights.close()
         raise
@@ -375,7 +309,7 @@ _RUNNERS = {"complete": _run_completion, "chat": _run_conversation, "interactive
 
 
 def run(args: argparse.Namespace) -> None:
-    _check_args(args)
+    _log(check_options(args))
     args.mode = run_mode(args)
     text = _read_text(args.file) if args.file is not None else args.prompt
     timings = Timings()

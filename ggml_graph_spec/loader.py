@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ggml
 import numpy as np
@@ -31,7 +31,7 @@ from gguf_arch.arch.keys import config_from_metadata, upgrade_legacy_keys
 from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, OUT_SOURCE, PlannedTensor, layer_name, plan_tensors
 from gguf_arch.errors import GGUFError
 from gguf_arch.io.gguf_file import open_gguf
-from gguf_arch.io.split import part_paths
+from gguf_arch.io.split_names import part_paths
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
@@ -213,10 +213,15 @@ def _source(files: list[_MappedFile], found: Mapping[str, tuple[int, Any]], name
                   int(t.n_bytes))
 
 
-def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
+Adjust = Callable[[dict[str, Any], K3Config], tuple[dict[str, Any], K3Config]]
+
+
+def load_gguf(path: Path | str, *, repack: bool = False, adjust: Adjust | None = None) -> GGUFWeights:
     """Open, validate and map a kimi-k3 GGUF (single file or the first file of a split).
 
-    repack: copy the routed experts into ggml's repacked layout (module docstring)."""
+    repack: copy the routed experts into ggml's repacked layout (module docstring). adjust:
+    (metadata, config) -> (metadata, config), run after every check and before the first ggml
+    object, so what it refuses (the runner's --override-kv) never reaches ggml."""
     path = Path(path)
     first = open_gguf(path)
     paths = part_paths(path, first)
@@ -231,6 +236,8 @@ def load_gguf(path: Path | str, *, repack: bool = False) -> GGUFWeights:
             _tensor_bytes_in_file(r, t, str(p))
             found[t.name] = (i, t)
     present = check_tensors(cfg, {n: t for n, (_, t) in found.items()}, str(path))
+    if adjust is not None:
+        meta, cfg = adjust(meta, cfg)
 
     files = [_MappedFile.wrap(r) for r in readers]
     try:

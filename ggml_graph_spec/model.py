@@ -252,8 +252,19 @@ class Model:
         self.cache.reset()
 
     def eval(self, tokens: Sequence[int]) -> np.ndarray:
-        """Logits [n_tokens, vocab] for `tokens`, which are appended to the sequence."""
-        return self.run(tokens).logits
+        """Logits [n_tokens, vocab] for `tokens`, which are appended to the sequence.
+
+        A NaN or infinite logit is an error, never a sampled token or a perplexity of nan: finite
+        weights and metadata values can still overflow f32 inside the graph (an expert weight scale
+        of 1e38 given by --override-kv)."""
+        logits = self.run(tokens).logits
+        bad = np.argwhere(~np.isfinite(logits))
+        if bad.size:
+            i, j = (int(x) for x in bad[0])
+            raise EvalError(f"{self.weights.path}: the model computed a non-finite logit ({logits[i, j]}) for token "
+                            f"{i} of the batch, vocabulary id {j}: a weight or metadata value (--override-kv?) "
+                            "overflows float32 in the graph")
+        return logits
 
     def run(self, tokens: Sequence[int], want: Iterable[str] = ()) -> EvalResult:
         """Like eval, with extra outputs: any of WANTS ("moe_norms" and "imatrix": taps.py).

@@ -52,7 +52,7 @@ from gguf_arch.io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from gguf_arch.io.jsonfile import read_json
 from gguf_arch.io.manifest import TensorHasher, write_manifest
 from gguf_arch.io.saliency import LayerSaliency, read_saliency
-from gguf_arch.io.split import part_paths
+from gguf_arch.io.split_names import part_paths
 
 from .loader import check_tensors, read_metadata
 

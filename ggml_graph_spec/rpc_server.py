@@ -16,7 +16,6 @@ import ctypes
 import errno
 import ipaddress
 import os
-import signal
 import socket
 import sys
 import threading
@@ -25,7 +24,7 @@ from typing import NoReturn, Sequence
 
 import ggml
 
-from gguf_arch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, KimiError, run_cli
+from gguf_arch.errors import EXIT_RUNTIME, Interrupted, KimiError, interrupted_line, run_cli
 from gguf_arch.io.console import ArgumentParser
 
 
@@ -45,10 +44,6 @@ class StartError(KimiError):
     has no RPC backend (exit code 1)."""
 
     exit_code = EXIT_RUNTIME
-
-
-class _Stop(Exception):
-    """SIGTERM, handled like Ctrl-C."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,9 +119,6 @@ def _serve(endpoint: bytes, cache: bytes | None, n_threads: int, device, done: t
         done.set()  # ggml returns only when it could not start (or accept) at all
 
 
-def _on_sigterm(_signum, _frame) -> None:
-    raise _Stop
-
 
 def run(args: argparse.Namespace) -> NoReturn:
     ip = check_host(args.host, args.allow_remote)
@@ -144,12 +136,13 @@ def run(args: argparse.Namespace) -> NoReturn:
     print(f"kimi-k3-rpc-server: ggml RPC server on {endpoint}, CPU, {n_threads} thread(s), cache "
           f"{cache.decode() if cache else 'off'}", file=sys.stderr, flush=True)
     done = threading.Event()
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGTERM and SIGHUP raise Interrupted here, as Ctrl-C raises KeyboardInterrupt (run_cli set that up).
     threading.Thread(target=_serve, args=(endpoint.encode(), cache, n_threads, device, done), daemon=True).start()
     try:
         done.wait()
-    except (KeyboardInterrupt, _Stop):
-        _exit(EXIT_INTERRUPTED, "error: interrupted: RPC server stopped")
+    except (KeyboardInterrupt, Interrupted) as exc:
+        line, code = interrupted_line(exc, "RPC server stopped")
+        _exit(code, line)
     _exit(EXIT_RUNTIME, f"error: {endpoint}: ggml's RPC server stopped (it could not listen or accept)")
 
 

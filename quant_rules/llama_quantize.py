@@ -34,7 +34,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf_arch.errors import EXIT_RUNTIME, GGUFError, KimiError
 from gguf_arch.io.gguf_file import open_gguf
 from gguf_arch.io.imatrix import imatrix_sizes
-from gguf_arch.io.split import part_paths
+from gguf_arch.io.split_names import part_paths
 
 from .options import read_tensor_type_file
 from .llama_types import LLAMA_QUANTIZE_TYPES, NEEDS_IMATRIX

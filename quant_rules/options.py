@@ -17,6 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
 from gguf_arch.errors import OutputError
 from gguf_arch.io.console import human_size
+from gguf_arch.io.jsonfile import read_text
+from gguf_arch.io.output_paths import create
 
 from .rules import (EXPERT_TYPES, OUTTYPES, WRITABLE_TYPES, QuantOptions, QuantRuleError,
                     Resolution, TensorTypeRule, parse_tensor_type, parse_type, type_name)
@@ -47,10 +49,7 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_tensor_type_file(path: Path, allowed: Sequence[Q] = WRITABLE_TYPES) -> list[TensorTypeRule]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QuantRuleError(f"{path}: cannot read the tensor type file: {exc}") from None
+    text = read_text(path, QuantRuleError, "the tensor type file does not exist")  # never waits on a FIFO
     rules = []
     for number, line in enumerate(text.splitlines(), 1):
         for word in line.split("#", 1)[0].split():
@@ -154,10 +153,12 @@ def quantize_rules_lines(resolution: Resolution) -> list[str]:
     return lines
 
 
-def write_quantize_rules(path: Path, resolution: Resolution) -> str:
-    """Write the export; returns the line that says how to use it with llama-quantize."""
+def write_quantize_rules(path: Path, resolution: Resolution, replace: bool = False) -> str:
+    """Write the export (a path the run's output guard claimed); returns the line that says how to
+    use it with llama-quantize."""
     try:
-        path.write_text("".join(line + "\n" for line in quantize_rules_lines(resolution)), encoding="utf-8")
+        with create(path, replace, "w") as f:
+            f.write("".join(line + "\n" for line in quantize_rules_lines(resolution)))
     except OSError as exc:
         raise OutputError(f"{path}: cannot write the llama-quantize rules: {exc.strerror or exc}") from None
     return (f"wrote llama-quantize rules to {path}: pass them before your own rules, llama-quantize "

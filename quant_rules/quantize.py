@@ -77,7 +77,8 @@ def reencode(chunks: Iterable[memoryview | bytes], src: Q, dst: Q, row: int,
 
 def _encode_batch(raw: np.ndarray, src: Q, dst: Q, row: int, meter: ErrorMeter | None) -> memoryview:
     values = decode_rows(src, raw, row)
-    out = encode_rows(values, dst)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported by the non-finite scan
+        out = encode_rows(values, dst)
     if meter is not None:
         meter.add(values, decode_rows(dst, out, row))
     return memoryview(out)

@@ -17,7 +17,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from gguf import GGUFValueType as T
+
 from ..errors import ConfigError
+from ..io.gguf_values import describe
+from ..io.gguf_values import problem as value_problem
 from ..io.jsonfile import read_json
 from .mxfp4 import BLOCK
 
@@ -111,11 +115,19 @@ INDEX_FIELDS: tuple[Field, ...] = (
 )
 
 
+# What each kind becomes in the GGUF: every integer field of K3 is written as (or checked against)
+# a uint32 key, every float as a float32 one; a value that type cannot hold is refused here, with
+# the field's name, not as a struct.error while the header is packed.
+_GGUF_TYPE = {_Int: T.UINT32, _Float: T.FLOAT32}
+
+
+def _kind_text(kind: str) -> str:
+    return describe(_GGUF_TYPE[kind]) if kind in _GGUF_TYPE else kind
+
+
 def _type_ok(kind: str, value: Any) -> bool:
-    if kind == _Int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == _Float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind in _GGUF_TYPE:
+        return value_problem(_GGUF_TYPE[kind], value) is None
     if kind == _Bool:
         return isinstance(value, bool)
     if kind == _Str:
@@ -243,7 +255,7 @@ def _get(cfg: Any, path: str) -> Any:
 def range_problems(cfg: K3Config) -> list[tuple[str, str]]:
     """(K3Config field, problem) for every field outside its row's range, in table order."""
     found = []
-    for f in FIELDS:
+    for f in FIELDS + (INDEX_FIELDS if cfg.indexer is not None else ()):  # top_k 0 divides by zero
         if f.rule is not None:
             found.extend((f.attr, p) for p in rule_problems(f, _get(cfg, f.attr)))
     return found
@@ -300,7 +312,7 @@ def _indexer(text: dict, n_layers: int, mla_layers: tuple[int, ...], errors: lis
         if not _type_ok(f.kind, v) or v < 1:
             errors.append(f"{f.where} must be an integer >= 1, got {v!r}")
     layers = _one_based_layers(layers_row.where, text[layers_row.hf], n_layers, errors)
-    if set(layers) != set(mla_layers) or len(layers) != len(mla_layers):
+    if set(layers) != set(mla_layers):  # a duplicate is reported by _one_based_layers, as such
         full = _ROW["mla_layers"]
         errors.append(
             f"{layers_row.where} must equal {full.where.removeprefix(TEXT)} exactly; "
@@ -336,7 +348,7 @@ def _collect(t: dict, source: str) -> dict[Field, Any]:
         if f.hf not in section:
             missing.append(f.where)
         elif not _type_ok(f.kind, section[f.hf]):
-            wrong.append(f"{f.where} must be {f.kind}, got {section[f.hf]!r}")
+            wrong.append(f"{f.where} must be {_kind_text(f.kind)}, got {section[f.hf]!r}")
         else:
             got[f] = section[f.hf]
     if missing:

@@ -18,6 +18,7 @@ from gguf import GGUFValueType as T
 from gguf import Keys
 
 from ..errors import GGUFError
+from ..io.gguf_values import problem as value_problem
 from .config import IndexerConfig, K3Config, KDAConfig, range_problems
 from .mxfp4 import BLOCK
 
@@ -242,8 +243,11 @@ def _same(want: Any, got: Any, vtype: T) -> bool:
 
 def _check(cfg: K3Config, meta: Mapping[str, Any], where: str) -> None:
     """Every key of the table against the file, then the values against the config's ranges."""
-    for key, want, vtype, _sub in model_keys(cfg):
+    for key, want, vtype, sub in model_keys(cfg):
         got = _need(meta, key, where)
+        why = value_problem(vtype, got, sub)  # a NaN, or a value outside what the type holds
+        if why is not None:
+            raise GGUFError(f"{where}: metadata {key} {why}")
         if not _same(want, got, vtype):
             raise GGUFError(f"{where}: metadata {key} is {got!r}, expected {want!r} "
                             "(inconsistent with the other kimi-k3 keys)")

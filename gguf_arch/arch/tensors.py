@@ -11,6 +11,7 @@ elements, also for MXFP4 (the writer turns them into bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Callable, Iterator
 
 from .config import K3Config
@@ -260,22 +261,39 @@ class PlannedTensor:
     layer: int | None
     name: str  # GGUF name
     shape: tuple[int, ...]  # GGUF logical shape, numpy order
-    sources: tuple[tuple[str, tuple[int, ...]], ...]  # (full HF name, expected shape), in spec order
+    sources: Sequence[tuple[str, tuple[int, ...]]]  # (full HF name, expected shape), in spec order
 
     @property
     def transform(self) -> str:
         return self.spec.transform
 
 
+class SourceList(Sequence):
+    """A row's sources for one layer, expert by expert, each name made when asked for: a config
+    with a million experts costs nothing until its names are read (the loader and the layout
+    check read only names and shapes of the outputs; the plan first compares the counts)."""
+
+    def __init__(self, spec: TensorSpec, cfg: K3Config, fmt: dict) -> None:
+        self._spec, self._cfg, self._fmt = spec, cfg, fmt
+        self._experts = cfg.num_experts if "{e}" in spec.sources[0].name else 0
+
+    def __len__(self) -> int:
+        return max(1, self._experts) * len(self._spec.sources)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        e, k = divmod(i % len(self), len(self._spec.sources))
+        s = self._spec.sources[k]
+        name = TEXT_PREFIX + s.name.format(**self._fmt, **({"e": e} if self._experts else {}))
+        return name, tuple(s.shape(self._cfg))
+
+
 def _expand(spec: TensorSpec, cfg: K3Config, layer: int | None) -> PlannedTensor:
     fmt = {} if layer is None else {"l": layer}
-    sources = []
-    experts = range(cfg.num_experts) if "{e}" in spec.sources[0].name else (None,)
-    for e in experts:
-        for s in spec.sources:
-            name = TEXT_PREFIX + s.name.format(**fmt, **({} if e is None else {"e": e}))
-            sources.append((name, tuple(s.shape(cfg))))
-    return PlannedTensor(spec, layer, spec.gguf.format(**fmt), tuple(spec.shape(cfg)), tuple(sources))
+    return PlannedTensor(spec, layer, spec.gguf.format(**fmt), tuple(spec.shape(cfg)), SourceList(spec, cfg, fmt))
 
 
 def plan_tensors(cfg: K3Config) -> Iterator[PlannedTensor]:

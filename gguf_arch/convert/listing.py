@@ -20,7 +20,7 @@ from ..io.console import human_size
 from ..io.gguf_writer import GGUFLayout, padded
 from ..io.safetensors import TensorMeta, open_checkpoint, read_weight_map
 from ..io.split import SplitLimits
-from .plan import gguf_metadata, plan_conversion, resolve_plan
+from .plan import check_source_count, gguf_metadata, plan_conversion, resolve_plan
 from .resume import OutputFile
 from .run import output_files
 from quant_rules.apply import final_outputs
@@ -73,6 +73,7 @@ def listing_resolution(model_dir: Path, options: QuantOptions, dsa: bool = True)
         source = "source types from the shard headers"
     else:
         dtype = _declared_dtype(path, raw)
+        check_source_count(cfg, wmap)
         metas = _declared_metas(wmap, cfg, dtype)
         source = (f"source types as config.json declares them ({dtype.lower()}, except the tensors K3 stores "
                   "in f32 and the mxfp4 routed experts): no shard present")

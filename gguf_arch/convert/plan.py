@@ -98,11 +98,26 @@ def _planned_output(pt: PlannedTensor, metas: Mapping[str, TensorMeta]) -> Plann
     return PlannedOutput(pt, output, source)
 
 
+def check_source_count(cfg: K3Config, metas: Mapping[str, object]) -> None:
+    """Before any name is made: a config that needs more source tensors than the checkpoint holds
+    (num_experts = 10**6 against a 384-expert index) is reported at once, with the first missing
+    tensor, in bounded time and memory (the table's source lists are lazy, their lengths free)."""
+    need = sum(len(pt.sources) for pt in plan_tensors(cfg) if not pt.spec.optional)
+    if need <= len(metas):
+        return
+    first = next(((name, pt.name) for pt in plan_tensors(cfg) if not pt.spec.optional
+                  for name, _ in pt.sources if name not in metas), None)
+    where = f"missing tensor {first[0]} (source of GGUF {first[1]}); " if first else ""
+    raise CheckpointError(f"{where}config.json implies {need} source tensors, the checkpoint holds {len(metas)} "
+                          "(is num_experts, num_hidden_layers or a layer list larger than the checkpoint?)")
+
+
 def plan_conversion(cfg: K3Config, metas: Mapping[str, TensorMeta], dsa: bool = True) -> ConversionPlan:
     """Match every checkpoint tensor against the table; CheckpointError names the first problem."""
     dropped = _indexer_sources(cfg) if not dsa else set()
     if not dsa:
         cfg = cfg.without_indexer()
+    check_source_count(cfg, metas)
     problems: list[str] = []
     consumed: set[str] = set()
     outputs: list[PlannedOutput] = []

@@ -20,20 +20,22 @@ from tqdm import tqdm
 
 from ..errors import OutputError
 from ..io.gguf_writer import GGUFLayout, OutputTensor
+from ..io.output_paths import create
 
 ChunksFor = Callable[[OutputTensor], Iterable]
 
 
 class Progress:
-    def __init__(self, total_bytes: int, *, bar: bool, log_json: Path | None = None) -> None:
+    def __init__(self, total_bytes: int, *, bar: bool, log_json: Path | None = None, replace: bool = False) -> None:
         self.total = total_bytes
         self.done = 0
         self.bar = bar
         self.start = time.monotonic()
         self._json: IO[str] | None = None
-        if log_json is not None:
+        self.log_path = log_json
+        if log_json is not None:  # claimed by the run's output guard, created only now
             try:
-                self._json = open(log_json, "w", encoding="utf-8")
+                self._json = create(log_json, replace, "w")
             except OSError as exc:
                 raise OutputError(f"{log_json}: cannot write the JSON progress log: {exc.strerror}") from None
 
@@ -59,11 +61,15 @@ class Progress:
         if self._json is None:
             return
         elapsed = time.monotonic() - self.start
-        self._json.write(json.dumps({
+        line = json.dumps({
             "file": path.name, "tensor": tensor, "file_bytes_done": file_done, "file_bytes_total": file_total,
             "bytes_done": self.done, "bytes_total": self.total, "elapsed_s": round(elapsed, 3),
-            "rate_bytes_per_s": round(self.done / elapsed) if elapsed > 0 else 0}) + "\n")
-        self._json.flush()
+            "rate_bytes_per_s": round(self.done / elapsed) if elapsed > 0 else 0})
+        try:
+            self._json.write(line + "\n")
+            self._json.flush()
+        except OSError as exc:  # a full disk names the log, not only its errno
+            raise OutputError(f"{self.log_path}: writing the JSON progress log failed: {exc.strerror}") from None
 
     def close(self) -> None:
         if self._json is not None:

@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..errors import OutputError
 from ..io.manifest import IntegrityError, check_hashes, manifest_path, read_manifest
-from ..io.gguf_writer import GGUFLayout, check_output, file_size, header_bytes, partial_path, refuse_partial
+from ..io.gguf_writer import GGUFLayout, file_size, header_bytes
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,6 @@ class OutputFile:
     @classmethod
     def planned(cls, path: Path, layout: GGUFLayout) -> "OutputFile":
         return cls(path, layout, file_size(layout))
-
-
-def refuse_leftovers(files: list[OutputFile], overwrite: bool) -> None:
-    """Without --resume: a file of this output already there is an error, unless --overwrite."""
-    for f in files:
-        check_output(f.path, overwrite)
-        if not overwrite:
-            refuse_partial(partial_path(f.path))
 
 
 def _mismatch(f: OutputFile) -> str | None:
@@ -79,3 +71,22 @@ def files_to_write(files: list[OutputFile], log: Callable[[str], None]) -> list[
             log(f"{f.path}: not a verified finished file ({why}); rewriting it")
             todo.append(f)
     return todo
+
+
+def left_behind(files: list[OutputFile], todo: list[OutputFile], done: list[OutputFile]) -> str:
+    """After an interrupt: what the output holds now, and what --resume would do with it."""
+    written = {id(f) for f in done}
+    finished = [f for f in files if id(f) in written or not any(f is t for t in todo)]
+    unmanifested = [f for f in todo if id(f) not in written and f.path.exists()]
+    if len(files) == 1 and not finished:
+        what = "no output written (its partial file was removed)"
+    elif not finished:
+        what = f"none of the {len(files)} parts complete (the partial file was removed)"
+    else:
+        names = ", ".join(f.path.name for f in finished)
+        what = f"{len(finished)} of {len(files)} parts complete with their manifests ({names})"
+    if unmanifested:
+        what += f"; {unmanifested[0].path.name} is complete but has no manifest yet"
+    if finished or unmanifested:
+        return what + "; the same command with --resume keeps what is complete and writes the rest"
+    return what + "; run the conversion again (--resume has nothing to keep)"

@@ -7,39 +7,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 from ..arch.config import load_config
 from ..arch.keys import ARCH
 from ..arch.transforms import tensor_chunks
-from ..errors import KimiError
-from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, check_output, write_gguf
+from ..errors import Interrupted
+from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
-from ..io.safetensors import Checkpoint, open_checkpoint
+from ..io.output_lock import lock_path, output_lock
+from ..io.output_paths import OutputPaths
+from ..io.safetensors import open_checkpoint
 from ..io.split import SplitLimits, split_layout
+from ..io.split_names import part_path
+from .finite import checked_chunks
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
 from .preflight import check_free_space
 from .progress import Progress
-from .resume import OutputFile, files_to_write, refuse_leftovers
+from .resume import OutputFile, files_to_write, left_behind
 from quant_rules.apply import final_chunks, final_outputs
+from quant_rules.options import write_quantize_rules
 from quant_rules.rules import QuantOptions, Resolution
-
-
-def _releasing(chunks: Iterable, ckpt: Checkpoint) -> Iterator:
-    """Pass chunks through; once the writer has taken one, drop the source pages read so far (bounded
-    RSS). The writer thread may still be copying that chunk: its pages then fault back in from the
-    page cache, the same bytes."""
-    for chunk in chunks:
-        yield chunk
-        ckpt.release_pages()
-
-
-def check_outside_model(model_dir: Path, out: Path) -> None:
-    """The output may not land in the model directory: --overwrite there could replace a shard
-    being read, and a stray GGUF among the shards is taken for part of the checkpoint."""
-    where = out.parent.resolve()
-    if where == model_dir.resolve() or model_dir.resolve() in where.parents:
-        raise KimiError(f"{out}: is inside the model directory {model_dir}; write the GGUF elsewhere")
 
 
 @dataclass(frozen=True)
@@ -50,6 +38,26 @@ class OutputOptions:
     resume: bool = False  # keep verified finished files of an interrupted run, rewrite the rest
     progress_bar: bool = False  # a tqdm bar per file on stderr
     log_json: Path | None = None  # one JSON progress line per tensor
+    export_rules: Path | None = None  # the llama-quantize rules for this conversion's types
+    allow_non_finite: bool = False  # write NaN/inf values with a warning instead of refusing them
+
+
+def claim_outputs(model_dir: Path, out: Path, files: list[OutputFile], todo: list[OutputFile] | None,
+                  output: OutputOptions, replace: bool) -> OutputPaths:
+    """Every file this run writes, for the guard; `todo` None: the part names are not planned yet,
+    `files` then holds one name of the right length."""
+    guard = OutputPaths([(model_dir, "the model directory")])
+    to_write = {id(f) for f in todo or ()}
+    for f in files:
+        written = id(f) in to_write
+        guard.add_gguf(f.path, "the GGUF" if len(files) == 1 else f"part {f.path.name}", replace=replace,
+                       written=written or (todo is None and not output.split.splits))
+    if output.log_json is not None:
+        guard.add(output.log_json, "the JSON progress log (--log-json)", replace=replace)
+    if output.export_rules is not None:
+        guard.add(output.export_rules, "the llama-quantize rules (--export-quantize-rules)", replace=replace)
+    guard.add(lock_path(out), "the output's lock file", replace=True, written=False)  # taken over, not replaced
+    return guard
 
 
 def conversion_layout(plan: ConversionPlan, kv: tuple[KV, ...], quant: QuantOptions,
@@ -66,14 +74,14 @@ def output_files(out: Path, layout: GGUFLayout, split: SplitLimits) -> list[Outp
     return [OutputFile.planned(path, part) for path, part in split_layout(out, layout, split)]
 
 
-def _files_to_write(files: list[OutputFile], overwrite: bool, resume: bool, log) -> list[OutputFile]:
-    if resume:
-        return files_to_write(files, log)
-    refuse_leftovers(files, overwrite)
-    return files
+def _first_name(out: Path, split: SplitLimits) -> OutputFile:
+    """The output's one file, or a part name of the length every part name has (for the early check)."""
+    empty = GGUFLayout(ARCH, (), ())
+    return OutputFile(part_path(out, 1, 1) if split.splits else out, empty, 0)
 
 
-def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log) -> None:
+def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log,
+                 done: list[OutputFile]) -> None:
     """Each file streamed, renamed into place, then its manifest; one file at a time."""
     for f in files:
         hasher = TensorHasher()
@@ -82,8 +90,48 @@ def _write_files(files: list[OutputFile], source_chunks, progress: Progress, rep
             write_gguf(f.path, f.layout, chunks_for, replace)
         finally:
             close_bar()
-        write_manifest(f.path, hasher.digests)
+        write_manifest(f.path, hasher.digests, replace)
+        done.append(f)
         log(f"wrote {f.path}")
+
+
+@dataclass(frozen=True)
+class _Planned:
+    plan: ConversionPlan
+    types: Resolution
+    files: list[OutputFile]
+    todo: list[OutputFile]
+
+
+def _plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOptions, output: OutputOptions,
+                log) -> _Planned:
+    plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
+    kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
+    log(plan.ledger.summary())
+    if cfg.indexer is not None and not dsa:
+        log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
+    layout, types = conversion_layout(plan, kv, quant, log)
+    files = output_files(out, layout, output.split)
+    return _Planned(plan, types, files, files_to_write(files, log) if output.resume else files)
+
+
+def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> None:
+    by_name = {o.output.name: o.tensor for o in p.plan.outputs}
+    decided = {d.name: d for d in p.types.decisions}
+
+    def source_chunks(t: OutputTensor) -> Iterator:
+        d, pt = decided[t.name], by_name[t.name]
+        chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read), log)
+        return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite)
+    progress = Progress(sum(t.nbytes for f in p.todo for t in f.layout.tensors), bar=output.progress_bar,
+                        log_json=output.log_json, replace=replace)
+    done: list[OutputFile] = []
+    try:
+        _write_files(p.todo, source_chunks, progress, replace, log, done)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        raise Interrupted.from_exc(exc, left_behind(p.files, p.todo, done)) from None
+    finally:
+        progress.close()
 
 
 def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
@@ -91,30 +139,19 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
             log: Callable[[str], None] = print) -> Ledger:
     """Convert a checkpoint directory to one GGUF file (or split parts); returns the ledger counts."""
     model_dir, out = Path(model_dir), Path(out)
-    check_outside_model(model_dir, out)
-    if not output.resume and output.split == SplitLimits():
-        check_output(out, overwrite)  # before the work of planning; split part names need the plan
-    cfg = load_config(model_dir)
-    with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
-        plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
-        kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
-        log(plan.ledger.summary())
-        if cfg.indexer is not None and not dsa:
-            log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
-        layout, types = conversion_layout(plan, kv, quant, log)
-        files = output_files(out, layout, output.split)
-        todo = _files_to_write(files, overwrite, output.resume, log)
-        check_free_space(out.parent, sum(f.size for f in todo))
-        by_name = {p.output.name: p.tensor for p in plan.outputs}
-        decided = {d.name: d for d in types.decisions}
-
-        def source_chunks(t: OutputTensor) -> Iterator:
-            d = decided[t.name]
-            return _releasing(final_chunks(d, tensor_chunks(by_name[t.name], d.contract_type, ckpt.read), log), ckpt)
-        progress = Progress(sum(t.nbytes for f in todo for t in f.layout.tensors), bar=output.progress_bar,
-                            log_json=output.log_json)
-        try:
-            _write_files(todo, source_chunks, progress, overwrite or output.resume, log)
-        finally:
-            progress.close()
-    return plan.ledger
+    replace = overwrite or output.resume
+    # Before the work of planning: the places and names, then the lock, then OUT itself when it
+    # is one file (the part names need the plan).
+    early = claim_outputs(model_dir, out, [_first_name(out, output.split)], None, output, replace)
+    early.check(existing=False)
+    with output_lock(out):
+        early.check()
+        cfg = load_config(model_dir)
+        with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
+            p = _plan_files(cfg, ckpt, model_dir, out, dsa, quant, output, log)
+            claim_outputs(model_dir, out, p.files, p.todo, output, replace).check()
+            check_free_space(out.parent, sum(f.size for f in p.todo))
+            if output.export_rules is not None:
+                log(write_quantize_rules(output.export_rules, p.types, replace))
+            _write_all(p, ckpt, output, replace, log)
+    return p.plan.ledger

@@ -8,7 +8,8 @@ byte is written), and then each tensor's bytes as they are produced, with the sa
 padding gguf-py uses. Peak memory is one chunk, not one model.
 
 The output appears only when complete: data goes to `<out>.partial` in the same directory, which
-is fsync'd and renamed over the final name; any error or Ctrl-C removes it. The plan is a plain
+is fsync'd and renamed over the final name; any error or Ctrl-C removes it. Both names are claimed
+through `output_paths` (never through a link, never over a file the run was not allowed to replace). The plan is a plain
 value so that split output and resume can be built on it without touching the data path.
 """
 from __future__ import annotations
@@ -25,9 +26,11 @@ from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import WriterState
 
-from ..errors import OutputError
+from ..errors import KimiError, OutputError
 from .atomic import removed_on_failure
 from .gguf_file import row_nbytes
+from .gguf_values import problem as value_problem
+from .output_paths import check_existing, create, partial_path
 from .pipeline import SerialWorker
 
 KV = tuple[str, Any, GGUFValueType, "GGUFValueType | None"]
@@ -73,32 +76,13 @@ def padded(nbytes: int, alignment: int = GGUF_DEFAULT_ALIGNMENT) -> int:
     return nbytes + (-nbytes % alignment)
 
 
-def partial_path(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
-def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse an existing output unless asked to replace it (checked before any work is done).
-
-    A symbolic link at `out` counts as existing, even a dangling one. With --overwrite the link
-    itself is replaced (os.replace renames over the link): its target is never written.
-    """
-    if out.is_symlink() and not overwrite:
-        raise OutputError(f"{out}: is a symbolic link to {os.readlink(out)}; refusing to write through it "
-                          "(use --overwrite to replace the link itself; its target is never written)")
-    if out.exists() and not overwrite:
-        raise OutputError(f"{out}: already exists (use --overwrite to replace it, or --resume to continue "
-                          "the conversion that wrote it)")
-    if out.is_dir():
-        raise OutputError(f"{out}: is a directory")
-    if not out.parent.is_dir():
-        raise OutputError(f"{out.parent}: output directory does not exist")
-
-
 def _header_writer(layout: GGUFLayout) -> GGUFWriter:
     # A later split part has no architecture key: gguf-py's add_string skips the empty value.
     w = GGUFWriter(None, layout.arch or "")
     for key, value, vtype, sub_type in layout.kv:
+        why = value_problem(vtype, value, sub_type)
+        if why is not None:  # a derived value (a sum of two fields) can overflow what each field fit
+            raise KimiError(f"GGUF key {key} {why}")
         w.add_key_value(key, value, vtype, sub_type)
     for t in layout.tensors:
         # A uint8 byte shape plus raw_dtype is gguf-py's way to declare a tensor of any type.
@@ -160,40 +144,23 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def refuse_partial(tmp: Path) -> None:
-    """A leftover `<out>.partial` (or a link planted at its name) is an error."""
-    if tmp.exists() or tmp.is_symlink():
-        raise OutputError(f"{tmp}: exists, left by an interrupted conversion or one still running "
-                          "(delete it, use --resume to continue that conversion, or --overwrite)")
-
-
-def _claim_partial(tmp: Path, overwrite: bool) -> None:
-    """A leftover `<out>.partial` is refused, or with --overwrite removed, never opened through a link."""
-    if not overwrite:
-        refuse_partial(tmp)
-    if not (tmp.exists() or tmp.is_symlink()):
-        return
-    try:
-        tmp.unlink()
-    except OSError as exc:
-        raise OutputError(f"{tmp}: cannot remove the leftover: {exc.strerror}") from None
-
-
 def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor], Iterable],
                overwrite: bool = False) -> None:
     """Write `layout` to `out`, pulling each tensor's bytes from `chunks_for` in layout order."""
     out = Path(out)
-    check_output(out, overwrite)
+    check_existing(out, overwrite)
     tmp = partial_path(out)
-    _claim_partial(tmp, overwrite)
     header = header_bytes(layout)
+    try:
+        fout = create(tmp, overwrite)  # never through a link planted at the partial name
+    except OSError as exc:
+        raise OutputError(f"writing {out} failed: {exc}") from None
     with removed_on_failure(tmp, out):
-        # "x": a link or file that appeared at the partial name since it was claimed is not followed.
-        with open(tmp, "xb") as fout:
+        with fout:
             fout.write(header)
             _write_data(fout, layout, GGUF_DEFAULT_ALIGNMENT, chunks_for)
             fout.flush()
             os.fsync(fout.fileno())
-        check_output(out, overwrite)
+        check_existing(out, overwrite)
         os.replace(tmp, out)
         _fsync_dir(out.parent)

@@ -32,6 +32,7 @@ from gguf import GGUFReader
 from ..errors import EXIT_RUNTIME, KimiError, OutputError
 from .gguf_file import open_gguf
 from .jsonfile import read_json
+from .output_paths import create, manifest_path, partial_path
 from .pipeline import SerialWorker
 
 MANIFEST_FORMAT = "kimi-k3-gguf-sha256/1"
@@ -58,11 +59,6 @@ class Manifest:
     gguf_size: int
     header_sha256: str
     tensors: tuple[TensorDigest, ...]
-
-
-def manifest_path(gguf: Path | str) -> Path:
-    gguf = Path(gguf)
-    return gguf.with_name(gguf.name + ".sha256.json")
 
 
 # Chunks handed to the hashing thread and not yet hashed (bounded, like the writer's queue).
@@ -108,17 +104,18 @@ def _sha256_of_range(path: Path, start: int, nbytes: int) -> str:
     return h.hexdigest()
 
 
-def write_manifest(gguf: Path | str, digests: Iterable[TensorDigest]) -> Path:
-    """Write `<gguf>.sha256.json` atomically; the header digest is read back from the GGUF."""
+def write_manifest(gguf: Path | str, digests: Iterable[TensorDigest], replace: bool = False) -> Path:
+    """Write `<gguf>.sha256.json` atomically; the header digest is read back from the GGUF.
+    `replace`: a leftover partial manifest may be replaced (its name was claimed by the run)."""
     gguf = Path(gguf)
     start = _data_start(open_gguf(gguf))
     doc = {"format": MANIFEST_FORMAT, "gguf": gguf.name, "gguf_size": gguf.stat().st_size,
            "header_sha256": _sha256_of_range(gguf, 0, start),
            "tensors": [[d.name, d.ggml_type, d.nbytes, d.sha256] for d in digests]}
     path = manifest_path(gguf)
-    tmp = path.with_name(path.name + ".partial")
+    tmp = partial_path(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with create(tmp, replace, "w") as f:
             json.dump(doc, f, indent=0)
             f.flush()
             os.fsync(f.fileno())

@@ -1,12 +1,12 @@
 """Header-first view of a sharded safetensors checkpoint.
 
 `model.safetensors.index.json` and the header of every shard are read and validated before any
-tensor byte is touched; tensor data is then handed out as read-only numpy views of a memory map,
-so a 16 GB shard is never copied into memory.
+tensor byte is touched; tensor data is then read with pread into bounded buffers (`Checkpoint`),
+so a 16 GB shard is never held in memory and a shard truncated under the reader is an error.
 
 The headers are parsed here rather than by `safetensors.safe_open`: safe_open rejects a bad file
 with a generic message that names neither the shard nor the tensor, cannot tell a truncated shard
-from a corrupt header, and its numpy `get_tensor` returns a copy, not a view of the file. The
+from a corrupt header, and memory-maps the file. The
 byte-level checks (header length within the file, offsets in range and non-overlapping, dtype x
 shape == byte length) need the raw header anyway.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -28,8 +27,6 @@ from .jsonfile import NotRegularFile, open_regular, read_json
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own limit on the JSON header; a larger length field means a corrupt file.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-# Shards whose pages `Checkpoint.release_pages` drops: an output tensor reads at most two shards.
-RECENT_SHARDS = 2
 
 # safetensors dtype -> numpy dtype of the stored bytes. BF16 has no numpy type: its raw
 # 16-bit patterns are handed out as uint16 and widened by `to_f32`.
@@ -173,8 +170,80 @@ def shard_stamp(path: Path) -> Stamp:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+# Tensors up to this size are read whole; larger ones come as a `ShardArray` read in row ranges
+# (the size of the transforms' chunks: see CHUNK_BYTES there).
+WHOLE_BYTES = 16 << 20
+
+
+def _pread_into(fd: int, buf: np.ndarray, offset: int, where: str, shard_size: int) -> None:
+    """Fill `buf` from `offset`; a short read is a truncated shard, never a SIGBUS."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CheckpointError(f"{where}: the shard ends at byte {offset + done}, its header said {shard_size} "
+                                  "bytes (truncated while it was being read?)")
+        done += n
+
+
+class ShardArray:
+    """A large tensor not yet read: its shape and dtype, and its bytes read on demand, a range of
+    leading-axis rows at a time (`a[i:j]`), through pread into a fresh buffer. `reshape` gives
+    another view of the same bytes; anything else (`np.asarray(a)`) reads it whole."""
+
+    def __init__(self, ckpt: "Checkpoint", entry: TensorEntry, shape: tuple[int, ...]) -> None:
+        self._ckpt, self._entry = ckpt, entry
+        self.shape = shape
+        self.dtype = NUMPY_DTYPES[entry.meta.dtype]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def reshape(self, *shape) -> "ShardArray":
+        shape = tuple(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+        if -1 in shape:
+            known = math.prod(d for d in shape if d != -1)
+            shape = tuple(self.size // known if d == -1 else d for d in shape)
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return ShardArray(self._ckpt, self._entry, shape)
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            return np.asarray(self)[index]
+        start, stop, _ = index.indices(self.shape[0])
+        row = self.size // max(1, self.shape[0]) if self.shape[0] else 0
+        return self._ckpt.read_range(self._entry, start * row, max(0, stop - start) * row).reshape(
+            (max(0, stop - start), *self.shape[1:]))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self._ckpt.read_range(self._entry, 0, self.size).reshape(self.shape)
+        return a if dtype is None else a.astype(dtype)
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+        return np.asarray(self).astype(dtype, copy=copy)
+
+
 class Checkpoint:
-    """Every tensor of a sharded checkpoint: metadata from the headers, data as mmap views.
+    """Every tensor of a sharded checkpoint: metadata from the headers, data read with pread.
+
+    Not memory-mapped: a shard truncated while it is read (a second copy, a failing disk) would
+    end a mapped read with SIGBUS; pread returns short and the read is a CheckpointError naming
+    the shard. Memory stays bounded: a tensor up to WHOLE_BYTES is read whole, a larger one
+    (the embeddings, the big projections) is a `ShardArray` its consumer reads in row ranges.
 
     With `stamps`, each tensor read first re-stats its shard: a shard replaced, rewritten or
     resized since its header was read (a download still running, a second copy) is refused
@@ -185,30 +254,35 @@ class Checkpoint:
         self.model_dir = model_dir
         self.entries = entries
         self.stamps = stamps or {}
-        self._maps: dict[str, mmap.mmap] = {}
-        self._recent: list[str] = []  # the shards read most recently, newest last
+        self._fds: dict[str, int] = {}
 
     @property
     def metas(self) -> dict[str, TensorMeta]:
         return {name: e.meta for name, e in self.entries.items()}
 
-    def _map(self, shard: str) -> mmap.mmap:
-        mm = self._maps.get(shard)
-        if mm is None:
-            with open(self.model_dir / shard, "rb") as f:
-                mm = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if shard in self._recent:
-            self._recent.remove(shard)
-        self._recent = [*self._recent[-(RECENT_SHARDS - 1):], shard]
-        return mm
+    def _fd(self, shard: str) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = open_regular(self.model_dir / shard)
+        return fd
 
-    def array(self, name: str) -> np.ndarray:
-        """A read-only view of the tensor's stored bytes as its numpy dtype (BF16 as uint16)."""
+    def read_range(self, e: TensorEntry, first: int, count: int) -> np.ndarray:
+        """Elements [first, first + count) of the tensor, flat, in a new read-only array."""
+        dt = NUMPY_DTYPES[e.meta.dtype]
+        buf = np.empty(count, dtype=dt)
+        want = self.stamps.get(e.shard)
+        _pread_into(self._fd(e.shard), buf, e.start + first * dt.itemsize, f"{self.model_dir / e.shard}: tensor "
+                    f"{e.name}", want[1] if want else -1)
+        buf.flags.writeable = False
+        return buf
+
+    def array(self, name: str) -> np.ndarray | ShardArray:
+        """The tensor's stored values as its numpy dtype (BF16 as uint16): read now when small."""
         e = self.entries[name]
         self._check_unchanged(e.shard)
-        dt = NUMPY_DTYPES[e.meta.dtype]
-        return np.frombuffer(self._map(e.shard), dtype=dt, count=e.nbytes // dt.itemsize,
-                             offset=e.start).reshape(e.meta.shape)
+        if e.nbytes <= WHOLE_BYTES:
+            return self.read_range(e, 0, e.nbytes // NUMPY_DTYPES[e.meta.dtype].itemsize).reshape(e.meta.shape)
+        return ShardArray(self, e, e.meta.shape)
 
     def _check_unchanged(self, shard: str) -> None:
         want = self.stamps.get(shard)
@@ -223,25 +297,14 @@ class Checkpoint:
             raise CheckpointError(f"{path}: changed since its header was read (inode, size, mtime "
                                   f"{want} -> {now}); is a download or copy still writing it?")
 
-    def read(self, name: str) -> tuple[str, np.ndarray]:
-        """(safetensors dtype, view): the reader the transforms take."""
+    def read(self, name: str) -> tuple[str, np.ndarray | ShardArray]:
+        """(safetensors dtype, values): the reader the transforms take."""
         return self.entries[name].meta.dtype, self.array(name)
 
-    def release_pages(self) -> None:
-        """Unmap this process's resident pages of every shard; they stay in the page cache.
-
-        Pages of a mapping read so far count in the process's RSS until unmapped, so without this
-        the RSS of a conversion would grow to the size of the model. Views stay valid: a page
-        touched again is faulted back in from the file. Only the recently read shards can hold
-        pages: an older one was released after its last chunk, when it was still recent.
-        """
-        for shard in self._recent:
-            self._maps[shard].madvise(mmap.MADV_DONTNEED)
-
     def close(self) -> None:
-        """Drop the maps; one still viewed by an array is unmapped when that array goes."""
-        self._maps.clear()
-        self._recent.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self

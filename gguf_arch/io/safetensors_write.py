@@ -17,6 +17,7 @@ from math import prod
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .output_paths import create
 from .safetensors import NUMPY_DTYPES
 
 # safetensors orders tensors by its Dtype enum, descending; these are the dtypes a Kimi K3
@@ -58,10 +59,12 @@ def header_bytes(ordered: list[StreamedTensor], metadata: dict[str, str]) -> byt
 
 
 def write_safetensors(path: Path, tensors: Iterable[StreamedTensor], metadata: dict[str, str]) -> int:
-    """Write one safetensors file, streaming each tensor's chunks; returns the data bytes written."""
+    """Write one safetensors file, streaming each tensor's chunks; returns the data bytes written.
+    A file or link already at `path` is replaced, never written through (the caller decided that
+    the directory is its own)."""
     ordered = file_order(tensors)
     total = 0
-    with open(path, "wb") as f:
+    with create(path, replace=True) as f:
         f.write(header_bytes(ordered, metadata))
         for t in ordered:
             written = sum(f.write(chunk) for chunk in t.chunks())

@@ -18,16 +18,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFReader
 from gguf import GGUFValueType as T
 from gguf.constants import Keys
 
-from ..errors import GGUFError, KimiError
+from ..errors import KimiError
 from .gguf_writer import GGUFLayout, OutputTensor, padded
+from .split_names import part_path
 
-# gguf-py's SHARD_NAME_FORMAT and llama.cpp's llama_split_path.
-PART_NAME = "{stem}-{no:05d}-of-{count:05d}.gguf"
-_PART = re.compile(r"(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 SPLIT_KEYS = (Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
 # llama.cpp's split_str_to_n_bytes: decimal units, as in --split-max-size 50G.
 _UNITS = {"": 1, "K": 1000, "M": 1000 ** 2, "G": 1000 ** 3}
@@ -40,6 +37,11 @@ class SplitLimits:
     max_bytes: int = 0  # 0: no size limit
     max_tensors: int = 0  # 0: no tensor-count limit
 
+    @property
+    def splits(self) -> bool:
+        """Whether any limit is set (the output may then be parts, named as parts)."""
+        return bool(self.max_bytes or self.max_tensors)
+
 
 def parse_size(text: str) -> int:
     """`--split-max-size` value: a positive integer, optionally followed by K, M or G (powers of 1000)."""
@@ -48,29 +50,6 @@ def parse_size(text: str) -> int:
         raise KimiError(f"--split-max-size {text!r}: expected a positive number of bytes, optionally followed by "
                         "K, M or G (powers of 1000, as llama.cpp reads it), e.g. 50G")
     return int(m.group(1)) * _UNITS[m.group(2)]
-
-
-def part_path(out: Path, no: int, count: int) -> Path:
-    """The file name of part `no` (1-based) of `count`, next to `out`."""
-    return out.with_name(PART_NAME.format(stem=out.stem, no=no, count=count))
-
-
-def part_paths(first: Path, reader: GGUFReader) -> list[Path]:
-    """The files of a GGUF given its first file: every part of a split (by PART_NAME), or [first].
-
-    split.count absent, 1, or 0 (as `llama-gguf-split --merge` leaves it) is a single file, as for
-    llama.cpp's loader; any other count needs `first` to be named as part 1 of that many.
-    """
-    field = reader.fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
-    count = field.contents() if field is not None else 1
-    if count in (0, 1):
-        return [first]
-    m = _PART.fullmatch(first.name)
-    if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
-        raise GGUFError(f"{first}: part of a {count}-part split ({Keys.Split.LLM_KV_SPLIT_COUNT} {count}); give the "
-                        f"first part, '<name>-00001-of-{count:05d}.gguf'")
-    out = first.with_name(m["stem"] + ".gguf")
-    return [part_path(out, no, count) for no in range(1, count + 1)]
 
 
 def _groups(tensors: tuple[OutputTensor, ...], limits: SplitLimits) -> list[list[OutputTensor]]:

@@ -24,6 +24,7 @@ from ..arch.config import K3Config, parse_config
 from ..arch.tensors import plan_tensors
 from ..errors import OutputError, run_cli
 from ..io.console import ArgumentParser, human_size
+from ..io.output_paths import create
 from ..io.safetensors import INDEX_FILE
 from ..io.safetensors_write import StreamedTensor, write_safetensors
 from .config import DIMENSIONS, PRESETS, VARIANTS, build_config, vision_shapes
@@ -106,8 +107,9 @@ def _prepare_dir(out_dir: Path, keep: set[str], overwrite: bool) -> None:
 
 
 def _dump(path: Path, obj: dict, sort_keys: bool) -> None:
-    # No trailing newline, 2-space indent: as the released files.
-    path.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys), encoding="utf-8")
+    # No trailing newline, 2-space indent: as the released files. Never through a link in the directory.
+    with create(path, replace=True, mode="w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=sort_keys))
 
 
 def write_checkpoint(plan: CheckpointPlan, out_dir: Path, overwrite: bool = False) -> None:
@@ -115,7 +117,11 @@ def write_checkpoint(plan: CheckpointPlan, out_dir: Path, overwrite: bool = Fals
     _prepare_dir(out_dir, {s.filename for s in plan.shards}, overwrite)
     weight_map = {}
     for shard in plan.shards:
-        write_safetensors(out_dir / shard.filename, shard.tensors, SHARD_METADATA)
+        path = out_dir / shard.filename
+        try:
+            write_safetensors(path, shard.tensors, SHARD_METADATA)
+        except OSError as exc:  # a full disk names the shard, not only its errno
+            raise OutputError(f"writing {path} failed: {exc.strerror or exc}") from None
         weight_map.update((t.name, shard.filename) for t in shard.tensors)
     index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
     _dump(out_dir / INDEX_FILE, index, sort_keys=False)

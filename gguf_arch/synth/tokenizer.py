@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ..io.output_paths import create
 from ..errors import ConfigError
 from .config import SPECIAL_OFFSETS, SPECIAL_SLOTS
 
@@ -205,6 +206,7 @@ def ranks_for_vocab(vocab_size: int) -> tuple[bytes, ...]:
 def write_tokenizer(out_dir: Path, ranks: tuple[bytes, ...], max_length: int) -> None:
     """Write tiktoken.model and tokenizer_config.json (specials right after the ranks) into out_dir."""
     lines = "".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks))
-    (out_dir / "tiktoken.model").write_text(lines, encoding="ascii")
     cfg = _tokenizer_config(len(ranks), max_length)
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    for name, text in (("tiktoken.model", lines), ("tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False))):
+        with create(out_dir / name, replace=True, mode="w") as f:  # never through a link left in the directory
+            f.write(text)

@@ -38,10 +38,11 @@ from ..arch.config import K3Config, load_config
 from ..arch.keys import ARCH, EXPERT_COUNT
 from ..arch.pruned import is_per_expert, read_kept, select_experts
 from ..arch.tensors import PlannedTensor, gguf_layer, plan_tensors
-from ..errors import CheckpointError, KimiError, run_cli
+from ..errors import CheckpointError, GGUFError, KimiError, run_cli
 from ..io.console import ArgumentParser, task_bar
 from ..io.gguf_file import open_gguf, row_nbytes
 from ..io.safetensors import Checkpoint, open_checkpoint
+from ..io.split_names import part_paths
 from .bounds import BOUNDS
 from .reference import REFERENCES, Chunk, Source, exact_type
 
@@ -115,30 +116,40 @@ class DiffReport:
 
 
 class _GGUF:
-    """The GGUF's tensors by name, and their bytes one row range at a time."""
+    """The GGUF's tensors by name, and their bytes one row range at a time. Given the first part
+    of a split, every part (split_names.part_paths, as --verify and the runner read them)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.reader = open_gguf(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        first = self.reader = open_gguf(path)
+        self.readers = [first] + [open_gguf(p) for p in part_paths(path, first)[1:]]
+        self.tensors: dict = {}
+        self._reader_of: dict = {}
+        for reader in self.readers:
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise GGUFError(f"{path}: tensor {t.name!r} appears in two parts of the split")
+                self.tensors[t.name], self._reader_of[t.name] = t, reader
 
     def rows(self, name: str, first: int, count: int) -> np.ndarray:
         t = self.tensors[name]
         row_bytes = row_nbytes(t.tensor_type, int(t.shape[0]))
         start = t.data_offset + first * row_bytes
-        return np.asarray(self.reader.data[start: start + count * row_bytes]).reshape(count, row_bytes)
+        data = self._reader_of[name].data
+        return np.asarray(data[start: start + count * row_bytes]).reshape(count, row_bytes)
 
     def release_pages(self) -> None:
         # np.memmap keeps its mmap.mmap as the array's base; the pages stay in the page cache.
-        self.reader.data.base.madvise(mmap.MADV_DONTNEED)
+        for reader in self.readers:
+            reader.data.base.madvise(mmap.MADV_DONTNEED)
 
 
-def _releasing(chunks: Iterable[Chunk], ckpt: Checkpoint, gguf: _GGUF) -> Iterator[Chunk]:
-    """Pass chunks through; once one is compared, drop the pages it read from both files. Without
-    this every page read stays in the RSS: a whole-model diff would hold the model and the GGUF."""
+def _releasing(chunks: Iterable[Chunk], gguf: _GGUF) -> Iterator[Chunk]:
+    """Pass chunks through; once one is compared, drop the pages it read from the GGUF's map.
+    Without this every page read stays in the RSS: a whole-model diff would hold the GGUF (the
+    checkpoint is read with pread into buffers that go with their chunk)."""
     for chunk in chunks:
         yield chunk
-        ckpt.release_pages()
         gguf.release_pages()
 
 
@@ -150,12 +161,38 @@ def _first_mismatch(plan: PlannedTensor, chunk: Chunk, bad: np.ndarray, expected
     return Mismatch(flat, coords, float(expected[r, c]), float(found[r, c]), chunk.unit)
 
 
-def _bad_values(expected: np.ndarray, found: np.ndarray, qtype: Q, exact: bool) -> np.ndarray:
-    both_nan = np.isnan(expected) & np.isnan(found)
-    if not exact:
+# The largest finite magnitude a type's values (or its f16 block scales) hold: an expected value
+# beyond it has no finite encoding, so a non-finite value found there is what the type gives.
+_F16_MAX = float(np.finfo(np.float16).max)
+_FINITE_MAX = {Q.F16: _F16_MAX, Q.BF16: 3.3895313892515355e38, Q.Q8_0: _F16_MAX, Q.Q4_0: _F16_MAX,
+               Q.Q4_1: _F16_MAX, Q.Q5_0: _F16_MAX, Q.Q5_1: _F16_MAX}
+
+
+def _non_finite_agrees(expected: np.ndarray, found: np.ndarray, qtype: Q) -> np.ndarray:
+    """Where a value found is right although the reference is not finite, or it is not: the
+    reference is non-finite there too, the MXFP4 block has a NaN scale, or the expected value (of
+    its block, for block types) is beyond what the type can hold finitely."""
+    agrees = ~np.isfinite(expected) & ~np.isfinite(found)
+    if qtype == Q.MXFP4:
+        # A block whose E8M0 scale is NaN (0xFF) is NaN by the format; ggml decodes it as 2^127
+        # times its nibbles (0, huge, inf): none of those values means anything to compare.
+        agrees |= np.isnan(expected)
+    limit = _FINITE_MAX.get(qtype)
+    if limit is not None:
+        block = GGML_QUANT_SIZES[qtype][0]
         with np.errstate(invalid="ignore"):
-            return ~(both_nan | (np.abs(found.astype(np.float64) - expected) <= BOUNDS[qtype](expected)))
-    same = (found == expected) | both_nan
+            over = np.abs(expected) > limit
+        over = np.repeat(over.reshape(*over.shape[:-1], -1, block).any(axis=-1), block, axis=-1)
+        agrees |= over.reshape(found.shape) & ~np.isfinite(found)
+    return agrees
+
+
+def _bad_values(expected: np.ndarray, found: np.ndarray, qtype: Q, exact: bool) -> np.ndarray:
+    agreed = _non_finite_agrees(expected, found, qtype)
+    if not exact:
+        with np.errstate(invalid="ignore", over="ignore"):
+            return ~(agreed | (np.abs(found.astype(np.float64) - expected) <= BOUNDS[qtype](expected)))
+    same = (found == expected) | agreed
     if qtype != Q.MXFP4:  # ggml's MXFP4 table has no -0; the float types keep the sign of zero
         same &= np.signbit(found) == np.signbit(expected)
     return ~same
@@ -165,7 +202,8 @@ def _compare(gguf: _GGUF, plan: PlannedTensor, chunks: Iterable[Chunk], qtype: Q
     """First mismatch of the tensor, or of each unit (expert) when the chunks name units."""
     found_bad: list[Mismatch] = []
     for chunk in chunks:
-        found = dequantize(gguf.rows(plan.name, chunk.row, len(chunk.values)), qtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite values are compared, not warned about
+            found = dequantize(gguf.rows(plan.name, chunk.row, len(chunk.values)), qtype)
         bad = _bad_values(chunk.values, found.reshape(chunk.values.shape), qtype, exact)
         if bad.any():
             found_bad.append(_first_mismatch(plan, chunk, bad, chunk.values, found.reshape(chunk.values.shape)))
@@ -225,7 +263,7 @@ def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
     if problem:
         return result(TYPE, problem)
     exact = qtype == want
-    mismatches = _compare(gguf, plan, _releasing(references, ckpt, gguf), qtype, exact)
+    mismatches = _compare(gguf, plan, _releasing(references, gguf), qtype, exact)
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_MAX_UNITS_SHOWN])
         more = f"; and {len(mismatches) - _MAX_UNITS_SHOWN} more" if len(mismatches) > _MAX_UNITS_SHOWN else ""

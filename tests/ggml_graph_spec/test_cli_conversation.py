@@ -159,4 +159,4 @@ def test_in_a_terminal_ctrl_c_at_the_prompt_exits_130_with_the_timings(terminal,
     done = t.wait_for(lambda s: "EXIT=" in s)
     err = (tmp_path / "err").read_text()
     assert f"EXIT={EXIT_INTERRUPTED}" in done and "kimi_k3_perf:         eval time = " in err
-    assert err.splitlines()[-1] == "error: interrupted"
+    assert err.splitlines()[-1] == "error: interrupted (SIGINT)"

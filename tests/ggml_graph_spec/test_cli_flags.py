@@ -127,6 +127,6 @@ def test_ctrl_c_during_generation_prints_the_timings_and_exits_130(k3_tiny_gguf)
     err = err.decode()
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert "kimi_k3_perf:         eval time = " in err and "kimi_k3_perf:        total time = " in err
-    assert err.splitlines()[-1] == "error: interrupted"
+    assert err.splitlines()[-1] == "error: interrupted (SIGINT)"
     runs = int(re.search(r"eval time = .* / +(\d+) runs", err).group(1))
     assert 0 < runs < 4096

@@ -1,5 +1,6 @@
-"""Run convert_kimi_k3.py in a fresh interpreter (optionally with faults set up in that process)
-and check the documented contract: exit code, exactly one `error: ` line, nothing under OUT."""
+"""Run convert_kimi_k3.py, or any other tool of the project, in a fresh interpreter (optionally
+with faults set up in that process) and check the documented contract: exit code, exactly one
+`error: ` line, nothing under OUT."""
 from __future__ import annotations
 
 import os
@@ -26,18 +27,37 @@ class Result:
         return self.err
 
 
-def run_cli(*args: str | Path, prelude: str = "", preexec=None, timeout: float = 120) -> Result:
+# The project's command-line tools, by the module whose main() each test runs.
+MODULES = {"convert": "convert_kimi_k3", "cli": "ggml_graph_spec.cli", "diff": "gguf_arch.verify.diff",
+           "synth": "gguf_arch.synth.cli"}
+# Any ggml context or weight buffer made in the child ends it with exit 99: a value reached ggml
+# before it was checked.
+NO_GGML = ("import os, ggml\n"
+           "def _trip(*a, **k):\n    os._exit(99)\n"
+           "ggml.ggml_init = ggml.ggml_backend_cpu_buffer_from_ptr = _trip\n")
+
+
+def tool_code(tool: str, prelude: str = "") -> str:
     """`prelude` is Python run in the child before main(): how a test injects a fault there."""
-    code = f"import sys\n{prelude}\nimport convert_kimi_k3\nsys.exit(convert_kimi_k3.main(sys.argv[1:]))"
-    res = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                         timeout=timeout, preexec_fn=preexec, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    return f"import sys\n{prelude}\nimport {MODULES[tool]} as m\nsys.exit(m.main(sys.argv[1:]))"
+
+
+def run_tool(tool: str, *args: str | Path, prelude: str = "", preexec=None, timeout: float = 120) -> Result:
+    """One of the tools in a fresh interpreter, no stdin; the timeout turns a hang into a failure."""
+    res = subprocess.run([sys.executable, "-c", tool_code(tool, prelude), *map(str, args)], cwd=REPO,
+                         capture_output=True, text=True, timeout=timeout, preexec_fn=preexec,
+                         stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     return Result(res.returncode, res.stdout, res.stderr)
 
 
+def run_cli(*args: str | Path, prelude: str = "", preexec=None, timeout: float = 120) -> Result:
+    """convert_kimi_k3.py in a fresh interpreter."""
+    return run_tool("convert", *args, prelude=prelude, preexec=preexec, timeout=timeout)
+
+
 def start_cli(*args: str | Path, prelude: str = "") -> subprocess.Popen:
-    code = f"import sys\n{prelude}\nimport convert_kimi_k3\nsys.exit(convert_kimi_k3.main(sys.argv[1:]))"
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", tool_code("convert", prelude), *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a child of a pytest that has

@@ -105,7 +105,7 @@ def test_index_topk_must_be_positive(pro_raw):
 
 @pytest.mark.parametrize("field,value,needle", [
     ("hidden_act", "silu", "hidden_act must be 'situ'"),
-    ("hidden_size", "64", "hidden_size must be int"),
+    ("hidden_size", "64", "hidden_size must be an integer in 0..4294967295"),
     ("num_experts_per_token", 9, "exceeds num_experts"),
 ])
 def test_wrong_values_are_refused(pro_raw, field, value, needle):

@@ -1,7 +1,7 @@
 """Header-first checkpoint reading, cross-checked against the safetensors package itself."""
 from __future__ import annotations
 
-import mmap
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from gguf_arch.errors import CheckpointError
+from gguf_arch.io import safetensors as st_reader
 from gguf_arch.io.safetensors import open_checkpoint, read_shard_header
 
 from tests.support.checkpoint_edit import EditableCheckpoint, write_shard
@@ -29,14 +30,31 @@ def test_every_tensor_agrees_with_safe_open(k31pro_tiny_dir):
                     assert ours.tobytes() == t.view(TORCH_RAW[t.dtype]).numpy().tobytes(), name
 
 
-def test_arrays_are_read_only_views_of_the_shard_map(k3_tiny_dir):
+def test_arrays_are_read_only_copies_and_large_ones_are_read_by_rows(k3_tiny_dir, monkeypatch):
+    """No memory map (a truncated shard would SIGBUS it): small tensors are read whole into
+    read-only arrays; above WHOLE_BYTES a ShardArray, whose row ranges read the same bytes."""
+    name = "language_model.model.embed_tokens.weight"
     with open_checkpoint(k3_tiny_dir) as ckpt:
-        a = ckpt.array("language_model.model.embed_tokens.weight")
-        owner = a
-        while isinstance(owner, (np.ndarray, memoryview)):
-            owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
-        assert isinstance(owner, mmap.mmap) and not a.flags.writeable
-        assert a.dtype == np.uint16 and a.shape == (912, 64)
+        whole = ckpt.array(name)
+        assert isinstance(whole, np.ndarray) and whole.base is None or isinstance(whole.base, np.ndarray)
+        assert not whole.flags.writeable and whole.dtype == np.uint16 and whole.shape == (912, 64)
+        monkeypatch.setattr(st_reader, "WHOLE_BYTES", 1024)
+        lazy = ckpt.array(name)
+        assert isinstance(lazy, st_reader.ShardArray) and lazy.shape == (912, 64) and lazy.nbytes == whole.nbytes
+        assert np.array_equal(lazy[100:300], whole[100:300]) and np.array_equal(lazy.reshape(-1)[7:9001],
+                                                                                 whole.reshape(-1)[7:9001])
+        assert np.array_equal(np.asarray(lazy), whole) and np.array_equal(lazy[5:2], whole[5:2])
+
+
+def test_a_shard_truncated_after_its_header_was_read_is_a_clean_error(tmp_path, k3_tiny_dir):
+    ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
+    name = "language_model.model.embed_tokens.weight"
+    with open_checkpoint(ck.dir) as ckpt:
+        shard = ck.dir / ckpt.entries[name].shard
+        ckpt.stamps.clear()  # the stat check would see it first; the read itself must be safe too
+        os.truncate(shard, ckpt.entries[name].start + 100)
+        with pytest.raises(CheckpointError, match="truncated while it was being read"):
+            ckpt.array(name)
 
 
 def test_tensor_in_a_shard_but_not_in_the_index(tmp_path, k3_tiny_dir):
