@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from gguf_arch.arch.tensors import OUTPUT, ROUTED_EXPERTS, gguf_layer, layer_name
 from gguf_arch.errors import KimiError, run_cli
-from gguf_arch.io.atomic import check_new_output
+from gguf_arch.io.output_paths import guard_outputs
 from gguf_arch.io.imatrix import ImatrixAccumulator, write_imatrix
 from gguf_arch.io.jsonfile import read_text
 from gguf_arch.io.saliency import SaliencyAccumulator, write_saliency
@@ -141,11 +141,9 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"kimi-k3-calibrate: --chunks must be >= 1 (or -1: all), got {a.chunks}")
     if a.threads is not None and a.threads < 1:
         raise UsageError(f"kimi-k3-calibrate: -t/--threads must be >= 1, got {a.threads}")
-    if a.imatrix is not None and a.imatrix.resolve() == a.output.resolve():
-        raise UsageError("kimi-k3-calibrate: -o and --imatrix name the same file")
-    for out in (a.output, a.imatrix):
-        if out is not None:
-            check_new_output(out, a.overwrite)
+    outputs = [(a.output, "the saliency JSON (-o)")] + ([(a.imatrix, "the imatrix (--imatrix)")] if a.imatrix else [])
+    reads = [(a.model, "the model (-m)")] + [(f.path, "a calibration text (-f)") for f in a.files]
+    guard_outputs(outputs, reads=reads, replace=a.overwrite)
 
 
 def _tokenized(files: list[TextFile], tokenizer: BPETokenizer, size: int, limit: int) -> list[tuple[TextFile, list]]:

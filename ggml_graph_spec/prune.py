@@ -46,7 +46,7 @@ from gguf_arch.arch.keys import config_from_metadata
 from gguf_arch.arch.pruned import Kept, is_per_expert, kept_keys, read_kept
 from gguf_arch.arch.tensors import gguf_layer
 from gguf_arch.errors import GGUFError, KimiError, run_cli
-from gguf_arch.io.atomic import check_new_output
+from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.gguf_file import open_gguf
 from gguf_arch.io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from gguf_arch.io.jsonfile import read_json
@@ -268,9 +268,11 @@ def _choose(a: argparse.Namespace, src: SourceGGUF) -> Kept:
 
 
 def run(a: argparse.Namespace) -> None:
-    if a.output.resolve() == a.input.resolve():
-        raise PlanError("kimi-k3-prune: OUT must not be IN")
-    check_new_output(a.output, a.overwrite)
+    reads = [(a.input, "IN.gguf")] + ([(a.saliency, "the saliency file")] if a.saliency else []) + \
+        ([(a.plan, "the plan (--plan)")] if a.plan else [])
+    guard = OutputPaths(read_files=reads, resumable=False)
+    guard.add_gguf(a.output, "the pruned GGUF", replace=a.overwrite)
+    guard.check()
     src = SourceGGUF.open(a.input)
     local = _choose(a, src)
     n = len(next(iter(local.values())))

@@ -49,7 +49,7 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_tensor_type_file(path: Path, allowed: Sequence[Q] = WRITABLE_TYPES) -> list[TensorTypeRule]:
-    text = read_text(path, QuantRuleError, "the tensor type file does not exist")  # never waits on a FIFO
+    text = read_text(path, QuantRuleError, "cannot read the tensor type file: it does not exist")  # never waits on a FIFO
     rules = []
     for number, line in enumerate(text.splitlines(), 1):
         for word in line.split("#", 1)[0].split():

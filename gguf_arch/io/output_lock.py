@@ -35,7 +35,7 @@ def _acquire(out: Path, path: Path) -> int | None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise OutputError(f"{path}: cannot create the output's lock file: {exc.strerror}") from None
+        raise OutputError(f"writing {out} failed: cannot create its lock file {path.name}: {exc.strerror}") from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:

@@ -5,6 +5,7 @@ manifest and the manifest's `.partial`; the --log-json file; exported rules; any
 later) and `OutputPaths.check` refuses, before anything is written:
 - a path inside a directory the run reads (the model directory): --overwrite there could replace
   a shard being read, and a stray file among the shards is taken for part of the checkpoint (2);
+- a path that is a file the run reads (kimi-k3-prune's IN.gguf, a calibration text) (2);
 - two outputs of one run on the same path (`--log-json OUT.gguf`) (2);
 - a name or a path longer than the output filesystem allows: found now, not after the last tensor (2);
 - a symbolic link at the path, unless --overwrite, which replaces the link itself (1);
@@ -67,9 +68,12 @@ def _name_limits(path: Path) -> str | None:
 class OutputPaths:
     """The outputs of one run, checked together against each other and against what exists."""
 
-    def __init__(self, read_dirs: Iterable[tuple[Path, str]] = ()) -> None:
+    def __init__(self, read_dirs: Iterable[tuple[Path, str]] = (),
+                 read_files: Iterable[tuple[Path, str]] = (), *, resumable: bool = True) -> None:
         self.read_dirs = [(Path(os.path.realpath(d)), what) for d, what in read_dirs]
+        self.read_files = {os.path.realpath(f): (Path(f), what) for f, what in read_files}
         self.outputs: list[Output] = []
+        self.resumable = resumable  # the tool has --resume: the messages point to it
 
     def add(self, path: Path | str, what: str, *, replace: bool, written: bool = True) -> None:
         self.outputs.append(Output(Path(path), what, replace, written))
@@ -87,6 +91,9 @@ class OutputPaths:
         seen: dict[str, Output] = {}
         for o in self.outputs:
             _check_place(o, self.read_dirs)
+            if os.path.realpath(o.path) in self.read_files:
+                path, what = self.read_files[os.path.realpath(o.path)]
+                raise KimiError(f"{o.path}: is {what} ({path}), which this run reads; write {o.what} elsewhere")
             other = seen.setdefault(_where(o.path), o)
             if other is not o:
                 raise KimiError(f"{o.path}: both {other.what} and {o.what} of this run would be written there; "
@@ -94,7 +101,17 @@ class OutputPaths:
         if existing:
             for o in self.outputs:
                 if o.written:
-                    check_existing(o.path, o.replace, o.what)
+                    check_existing(o.path, o.replace, o.what, self.resumable)
+
+
+def guard_outputs(outputs: Iterable[tuple[Path, str]], *, reads: Iterable[tuple[Path, str]], replace: bool) -> None:
+    """The guard for a tool that writes whole small files (`atomic.write_atomically`): each output
+    and its `.partial`, against each other, the files the run reads and what exists."""
+    guard = OutputPaths(read_files=reads, resumable=False)
+    for path, what in outputs:
+        guard.add(path, what, replace=replace)
+        guard.add(partial_path(Path(path)), f"{what}'s partial file", replace=replace)
+    guard.check()
 
 
 def _check_place(o: Output, read_dirs: list[tuple[Path, str]]) -> None:
@@ -107,17 +124,18 @@ def _check_place(o: Output, read_dirs: list[tuple[Path, str]]) -> None:
         raise KimiError(f"{o.path}: cannot be created for {o.what}: {why}; choose a shorter name")
 
 
-def check_existing(path: Path, replace: bool, what: str = "the output") -> None:
-    """Refuse an existing file (or link) at `path` unless it may be replaced; refuse a directory."""
+def check_existing(path: Path, replace: bool, what: str = "the output", resumable: bool = True) -> None:
+    """Refuse an existing file (or link) at `path` unless it may be replaced; refuse a directory.
+    `resumable`: the tool has --resume, which the messages then offer."""
     if path.name.endswith(PARTIAL_SUFFIX) and os.path.lexists(path) and not replace:
-        raise OutputError(f"{path}: exists, left by an interrupted conversion or one still running "
-                          "(delete it, use --resume to continue that conversion, or --overwrite)")
+        how = "use --resume to continue that conversion, or --overwrite" if resumable else "or use --overwrite"
+        raise OutputError(f"{path}: exists, left by an interrupted run or one still running (delete it, {how})")
     if path.is_symlink() and not replace:
         raise OutputError(f"{path}: is a symbolic link to {os.readlink(path)}; refusing to write through it "
                           "(use --overwrite to replace the link itself; its target is never written)")
     if path.exists() and not replace:
-        raise OutputError(f"{path}: already exists (use --overwrite to replace it, or --resume to continue "
-                          "the conversion that wrote it)")
+        resume = ", or --resume to continue the conversion that wrote it" if resumable else ""
+        raise OutputError(f"{path}: already exists (use --overwrite to replace it{resume})")
     if path.is_dir() and not path.is_symlink():
         raise OutputError(f"{path}: is a directory")
     if os.path.lexists(path) and not (path.is_symlink() or path.is_file()):

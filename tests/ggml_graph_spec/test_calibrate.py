@@ -267,6 +267,19 @@ def test_bad_arguments_are_one_line_errors(k31pro_tiny_gguf, tmp_path, capsys, e
     assert not (tmp_path / "s.json").exists()
 
 
+def test_outputs_never_replace_what_the_run_reads(k31pro_tiny_gguf, tmp_path, capsys):
+    """The one output guard (gguf_arch/io/output_paths.py): -o over the model or a text it reads,
+    or -o and --imatrix on one path, are refused before anything is written, even with --overwrite."""
+    text = tmp_path / "t.txt"
+    text.write_text(PROSE.read_text())
+    before = text.read_bytes()
+    for extra, says in ((["-o", str(text)], "which this run reads"),
+                        (["-o", str(tmp_path / "s.json"), "--imatrix", str(tmp_path / "s.json")], "both")):
+        assert main(["-m", str(k31pro_tiny_gguf), "-f", str(text), *extra, "--overwrite"]) == 2
+        assert says in capsys.readouterr().err
+    assert text.read_bytes() == before and not (tmp_path / "s.json").exists()
+
+
 def test_existing_output_is_kept_without_overwrite(k31pro_tiny_gguf, tmp_path, capsys):
     out = tmp_path / "s.json"
     out.write_text("mine")

@@ -216,7 +216,12 @@ def test_output_rules(k31pro_tiny_gguf, tmp_path, capsys):
     assert main([str(k31pro_tiny_gguf), str(out), "--plan", str(plan)]) == 1
     assert "already exists (use --overwrite" in capsys.readouterr().err and out.read_text() == "mine"
     assert main([str(k31pro_tiny_gguf), str(k31pro_tiny_gguf), "--plan", str(plan), "--overwrite"]) == 2
-    assert "OUT must not be IN" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is IN.gguf" in err and "which this run reads" in err
+    link = tmp_path / "link.gguf"
+    link.symlink_to(out)
+    assert main([str(k31pro_tiny_gguf), str(link), "--plan", str(plan)]) == 1  # never written through
+    assert "is a symbolic link" in capsys.readouterr().err and out.read_text() == "mine"
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"GGUF but not really")
     assert main([str(fake), str(tmp_path / "x.gguf"), "--plan", str(plan)]) == 2
