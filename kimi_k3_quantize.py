@@ -21,8 +21,9 @@ from typing import Sequence
 
 from ggml_graph_spec.loader import load_gguf
 from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
-from gguf_arch.errors import GGUFError, OutputError, run_cli
+from gguf_arch.errors import GGUFError, run_cli
 from gguf_arch.io.console import ArgumentParser
+from gguf_arch.io.output_paths import OutputPaths
 from quant_rules import llama_quantize as lq
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES, NEEDS_IMATRIX
 from quant_rules.options import format_tensor_types
@@ -55,10 +56,14 @@ def _parser() -> argparse.ArgumentParser:
 def _check_paths(args: argparse.Namespace) -> None:
     if args.imatrix is not None and not args.imatrix.is_file():
         raise QuantRuleError(f"{args.imatrix}: --imatrix file not found")
-    if args.output.exists() and args.output.resolve() == args.input.resolve():
-        raise QuantRuleError(f"{args.output}: the output would overwrite the input")
-    if args.output.exists() and not args.overwrite:
-        raise OutputError(f"{args.output}: exists (pass --overwrite to replace it)")
+    # The one output guard: never over a file this run reads, never through a link, never an
+    # existing file without --overwrite.
+    reads = [(args.input, "IN.gguf"), *[(f, "a --tensor-type-file") for f in args.tensor_type_file]]
+    if args.imatrix is not None:
+        reads.append((args.imatrix, "the imatrix (--imatrix)"))
+    guard = OutputPaths(read_files=reads, resumable=False)
+    guard.add(args.output, "the quantized GGUF", replace=args.overwrite)
+    guard.check()
     if args.threads < 1:
         raise QuantRuleError(f"--threads {args.threads}: must be >= 1")
 

@@ -142,7 +142,7 @@ def test_existing_output_and_missing_tool_are_runtime_failures(capsys, tmp_path,
     out = tmp_path / "out.gguf"
     out.write_bytes(b"keep me")
     rc, err = _cli(capsys, k3_tiny_gguf, out, "q8_0")
-    assert rc == 1 and err == f"error: {out}: exists (pass --overwrite to replace it)\n"
+    assert rc == 1 and err == f"error: {out}: already exists (use --overwrite to replace it)\n"
     assert out.read_bytes() == b"keep me"
     monkeypatch.setenv(lq.LLAMA_BIN_ENV, str(tmp_path))
     rc, err = _cli(capsys, k3_tiny_gguf, out, "q8_0", "--overwrite")
@@ -152,7 +152,15 @@ def test_existing_output_and_missing_tool_are_runtime_failures(capsys, tmp_path,
 
 def test_same_file_in_and_out_is_refused(capsys, tmp_path, k3_tiny_gguf):
     rc, err = _cli(capsys, k3_tiny_gguf, k3_tiny_gguf, "q8_0", "--overwrite")
-    assert rc == 2 and "the output would overwrite the input" in err
+    assert rc == 2 and "which this run reads" in err
+    link = tmp_path / "link.gguf"
+    link.symlink_to(k3_tiny_gguf)  # the input again, through a link
+    rc, err = _cli(capsys, k3_tiny_gguf, link, "q8_0", "--overwrite")
+    assert rc == 2 and "which this run reads" in err
+    rules = tmp_path / "rules.txt"
+    rules.write_text("")
+    rc, err = _cli(capsys, k3_tiny_gguf, rules, "q8_0", "--tensor-type-file", str(rules), "--overwrite")
+    assert rc == 2 and "is a --tensor-type-file" in err and rules.exists()
 
 
 def test_print_tensor_types_lists_every_tensor_and_writes_nothing(capsys, tmp_path, k3_tiny_gguf):
