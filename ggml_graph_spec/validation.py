@@ -47,8 +47,8 @@ def cpu_count() -> int:
 # as in llama.cpp, so it has no lower bound.
 _RANGES = (("-c/--ctx-size", "ctx_size", 0, None), ("-n/--n-predict", "n_predict", -1, None),
            ("--temp", "temp", -math.inf, None), ("--top-k", "top_k", 0, None), ("--top-p", "top_p", 0.0, 1.0),
-           ("--min-p", "min_p", 0.0, 1.0), ("--repeat-penalty", "repeat_penalty", 0.0, None),
-           ("--repeat-last-n", "repeat_last_n", -1, None), ("-s/--seed", "seed", -1, RANDOM_SEED))
+           ("--min-p", "min_p", 0.0, 1.0), ("--repeat-penalty", "repeat_penalty", -math.inf, None),
+           ("--repeat-last-n", "repeat_last_n", -1, None), ("-s/--seed", "seed", -1, None))
 
 
 def _check_range(option: str, value: Any, low: float, high: float | None) -> None:
@@ -69,8 +69,10 @@ def check_options(a: argparse.Namespace) -> list[str]:
         raise UsageError(f"--chunks must be -1 (all) or >= 1, got {a.chunks}")
     if a.chunks != -1 and not a.perplexity:
         raise UsageError("--chunks applies to --perplexity only")
-    if a.repeat_penalty == 0:
-        raise UsageError("--repeat-penalty must be > 0 (1.0 = off), got 0")
+    if not a.repeat_penalty > 0:
+        raise UsageError(f"--repeat-penalty must be > 0, got {a.repeat_penalty} (1.0 = off)")
+    if a.seed > RANDOM_SEED:
+        raise UsageError(f"-s/--seed must be at most {RANDOM_SEED} (a 32-bit seed, as llama.cpp's), got {a.seed}")
     if a.repack and a.exact_experts:
         raise UsageError("--repack applies to the fast path, not with --exact-experts")
     if a.tensor_split is not None and a.rpc is None:

@@ -41,13 +41,14 @@ BAD_OPTIONS = {
     ("--top-p", "-0.5"): "--top-p must be in",
     ("--temp", "inf"): "--temp must be a finite number",
     ("--temp=-inf",): "--temp must be a finite number",  # a negative --temp is greedy, as in llama.cpp
-    ("--repeat-penalty", "-1"): "--repeat-penalty must be >= 0.0",
+    ("--repeat-penalty", "-1"): "--repeat-penalty must be > 0",
+    ("--repeat-penalty", "inf"): "--repeat-penalty must be a finite number",
     ("--repeat-penalty", "0"): "--repeat-penalty must be > 0",
     ("--repeat-last-n", "-2"): "--repeat-last-n must be >= -1",
     ("--top-k", "-1"): "--top-k must be >= 0",
     ("-n", "-7"): "-n/--n-predict must be >= -1",
-    ("--seed", "-2"): "-s/--seed must be in",
-    ("-s", "4294967296"): "-s/--seed must be in",
+    ("--seed", "-2"): "-s/--seed must be >= -1",
+    ("-s", "4294967296"): "-s/--seed must be at most 4294967295",
     ("-t", "0"): "-t/--threads must be >= 1",
     ("--chunks", "3"): "--chunks applies to --perplexity only",
 }
