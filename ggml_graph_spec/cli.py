@@ -29,7 +29,7 @@ from .chat import Conversation, add_chat_arguments, chat_template, parse_templat
 from .generate import StopRules, Timings, generate, sigint_stops
 from .graph import DSA_PATHS
 from .loader import GGUFWeights, config_from_metadata, load_gguf
-from .memory.budget import PRESETS
+from .memory.budget import add_budget_argument
 from .memory.streaming import StreamingExecutor
 from .model import Model
 from .perplexity import chunk_count, perplexity
@@ -123,9 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
                    help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
                         "(missing values are 0; default: each one's free memory)")
-    p.add_argument("--mem-budget", metavar="SIZE", default=None,
-                   help=f"keep at most SIZE resident (512M, 8G, or {', '.join(PRESETS)}); layers that do not "
-                        "fit are read from the file per token")
+    add_budget_argument(p)
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
