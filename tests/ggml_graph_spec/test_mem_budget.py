@@ -129,3 +129,43 @@ def test_inside_a_memory_cgroup(big_gguf, exact):
     assert tokens == ref and streamed != "()"
     assert rss <= budget + OVERHEAD, f"anonymous RSS {rss} > budget {budget} + overhead {OVERHEAD}"
     print(f"cgroup limit {budget + OVERHEAD}: anonymous RSS {rss}, limit hits {failed}")
+
+
+@pytest.fixture(scope="module")
+def split_gguf(big_gguf) -> Path:
+    out = big_gguf.parent / "split" / "m.gguf"
+    out.parent.mkdir()
+    assert convert_kimi_k3.main([str(big_gguf.parent / "hf"), str(out), "--quiet", "--split-max-size", "2M"]) == 0
+    parts = sorted(out.parent.glob("*.gguf"))
+    assert len(parts) >= 2
+    return parts[0]
+
+
+def test_streaming_a_split_gguf(big_gguf, split_gguf):
+    budget = str(big_gguf.stat().st_size // 3)
+    ref, _, _, _ = _child(big_gguf, False, "none")
+    tokens, _, streamed, _ = _child(split_gguf, False, budget)
+    assert tokens == ref and streamed != "()"
+
+
+def _doctor(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ggml_graph_spec.memory.doctor", *map(str, args)],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("which", ["single", "split"])
+def test_doctor_reports_memory_disk_and_presets(big_gguf, split_gguf, which):
+    r = _doctor(big_gguf if which == "single" else split_gguf)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for needle in ("RAM ", "free disk", "read speed", "trunk", "experts", "run: kimi-k3-cli -m"):
+        assert needle in out, out
+    assert sum(line.startswith("preset ") for line in out.splitlines()) == len(PRESETS)
+    trunk, experts = (int(w) for w in (out.split("trunk ")[1].split()[0], out.split("experts ")[1].split()[0]))
+    assert experts > 0 and trunk > 0
+    assert trunk + experts <= sum(p.stat().st_size for p in big_gguf.parent.glob("m.gguf"))
+
+
+def test_doctor_bad_input_is_one_line():
+    r = _doctor("no-such.gguf")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
