@@ -145,25 +145,25 @@ class StreamingExecutor(Executor):
             self.plan_ = self._make_plan()
         streamed = set(self.plan_.streamed)
         status = ggml.GGML_STATUS_SUCCESS
+        views = _views(g)
         for segment, i0, i1 in _runs(g):
             if segment in streamed:
-                self._bring_in(g, segment)
+                self._bring_in(views, segment)
             view = ggml.ggml_graph_view(g.gf, i0, i1)
             status = ggml.ggml_backend_graph_compute(self.backend, ctypes.pointer(view))
             if status != ggml.GGML_STATUS_SUCCESS:
                 break
         return status
 
-    def _bring_in(self, g: GraphBuild, layer: int) -> None:
+    def _bring_in(self, views: dict[int, list], layer: int) -> None:
         """Wait for `layer` in its slot, point its tensors there, start reading the next one."""
         future = self._pending.pop(layer, None) or self._submit(layer)
         slot = future.result()
         base = slot.ctypes.data
-        moved = {}
         for p in self.files.layers[layer]:
             p.tensor.contents.data = base + p.slot_offset
-            moved[ctypes.addressof(p.tensor.contents)] = base + p.slot_offset
-        _repoint_views(g, moved)
+            for v in views.get(ctypes.addressof(p.tensor.contents), ()):  # ggml-alloc set them from the old address
+                v.data = base + p.slot_offset + v.view_offs
         order = self.plan_.streamed
         nxt = order[(order.index(layer) + 1) % len(order)]
         if nxt != layer and nxt not in self._pending:
@@ -215,10 +215,11 @@ def _runs(g: GraphBuild):
     return [tuple(r) for r in runs]
 
 
-def _repoint_views(g: GraphBuild, moved: dict[int, int]) -> None:
-    """Views of moved weights: ggml-alloc set their data from the old address."""
+def _views(g: GraphBuild) -> dict[int, list]:
+    """The graph's views of tensors it does not compute (weights), by the viewed tensor's address."""
+    out: dict[int, list] = {}
     for i in range(ggml.ggml_graph_n_nodes(g.gf)):
         t = ggml.ggml_graph_node(g.gf, i).contents
-        src = t.view_src
-        if src and ctypes.addressof(src.contents) in moved:
-            t.data = moved[ctypes.addressof(src.contents)] + t.view_offs
+        if t.view_src and t.view_src.contents.op == ggml.GGML_OP_NONE:
+            out.setdefault(ctypes.addressof(t.view_src.contents), []).append(t)
+    return out
