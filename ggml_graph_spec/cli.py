@@ -27,6 +27,8 @@ from .chat import Conversation, add_chat_arguments, chat_template, parse_templat
 from .generate import StopRules, Timings, generate, sigint_stops
 from .graph import DSA_PATHS
 from .loader import load_gguf
+from .memory.budget import add_budget_argument
+from .memory.streaming import StreamingExecutor
 from .model import Model
 from .perplexity import chunk_count, perplexity
 from .sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP, DEFAULT_TOP_K,
@@ -119,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
                    help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
                         "(missing values are 0; default: each one's free memory)")
+    add_budget_argument(p)
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
@@ -180,7 +183,8 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
             setattr(tokenizer, attr, value)
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
                       dsa=args.dsa != "off", top_k=None, n_threads=args.threads, dsa_path=args.dsa_path,
-                      rpc=args.rpc or (), tensor_split=args.tensor_split, progress=sys.stderr.isatty())
+                      rpc=args.rpc or (), tensor_split=args.tensor_split, progress=sys.stderr.isatty(),
+                      mem_budget=args.mem_budget)
     except BaseException:
         weights.close()
         raise
@@ -220,6 +224,8 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
     ]
     if model.devices is not None:
         rows += model.devices.summary(model.cache, model.executor)
+    if isinstance(model.executor, StreamingExecutor):
+        rows += model.executor.summary()
     rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()] + [("note", n) for n in w.notes]
     return [f"print_info: {k:<16} = {v}" for k, v in rows]
 

@@ -162,6 +162,11 @@ class GGUFWeights:
     def repacked_bytes(self) -> int:
         return self._repacked.nbytes if self._repacked else 0
 
+    @property
+    def mapped_files(self) -> tuple[tuple[str, int, int], ...]:
+        """(path, mapping address, size) of each file: where a tensor's data pointer points."""
+        return tuple((f.reader.data.filename, f.reader.data.ctypes.data, f.reader.data.nbytes) for f in self._files)
+
     def layer(self, layer: int) -> "LayerWeights":
         return LayerWeights(self.cfg, layer, self.tensors)
 

@@ -34,6 +34,8 @@ from .cache import SequenceCache
 from .devices import Devices
 from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
 from .loader import GGUFWeights, load_gguf
+from .memory.budget import parse_size
+from .memory.streaming import StreamingExecutor
 from .placement import OUTPUT_SEGMENT
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
@@ -137,7 +139,7 @@ class Model:
     def __init__(self, weights: GGUFWeights, *, n_ctx: int, exact: bool, dsa: bool,
                  top_k: int | None, n_threads: int, n_batch: int | None = None, dsa_path: str | None = None,
                  rpc: str | Sequence[str] = (), tensor_split: str | Sequence[float] | None = None,
-                 progress: bool = False):
+                 progress: bool = False, mem_budget: int | str | None = None):
         if exact and weights.repacked:
             raise EvalError(f"{weights.path}: the exact path dequantizes the experts from the file's layout; "
                             "load the GGUF without repack for it")
@@ -158,7 +160,7 @@ class Model:
         self._graph_size = _graph_size(weights)
         self.devices = self._connect(rpc, tensor_split, n_threads, progress)
         try:
-            self._exec = Executor(n_threads) if self.devices is None else self.devices.executor(self._graph_size)
+            self._exec = self._executor(n_threads, mem_budget)
             self.cache = SequenceCache(self.cfg, self._exec.backend, n_ctx=n_ctx, exact=exact,
                                        with_indexer=dsa and self.cfg.indexer is not None,
                                        layer_backends=self.devices and self.devices.layer_backends(self._exec.backend))
@@ -166,6 +168,17 @@ class Model:
             if self.devices is not None:
                 self.devices.close()
             raise
+        if isinstance(self._exec, StreamingExecutor):
+            self._exec.attach(self.cache.nbytes(self._exec.backend))
+
+    def _executor(self, n_threads: int, mem_budget: int | str | None) -> Executor:
+        """CPU, CPU within a memory budget (memory/streaming.py), or the RPC devices' scheduler."""
+        if mem_budget is None:
+            return Executor(n_threads) if self.devices is None else self.devices.executor(self._graph_size)
+        budget = parse_size(mem_budget)
+        if self.devices is not None or self.weights.repacked:
+            raise EvalError("mem_budget streams the mapped layers on this host: not with rpc or repack")
+        return StreamingExecutor(self.weights, budget, n_threads)
 
     def _connect(self, rpc, tensor_split, n_threads: int, progress: bool) -> Devices | None:
         """The RPC servers with their layers uploaded (None: everything on the local CPU)."""
@@ -181,7 +194,8 @@ class Model:
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
              top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None,
              dsa_path: str | None = None, repack: bool = False, rpc: str | Sequence[str] = (),
-             tensor_split: str | Sequence[float] | None = None, progress: bool = False) -> "Model":
+             tensor_split: str | Sequence[float] | None = None, progress: bool = False,
+             mem_budget: int | str | None = None) -> "Model":
         """Open and validate a kimi-k3 GGUF.
 
         exact_experts: the exact path (selected experts dequantized to F32, F32 caches, no f16,
@@ -200,6 +214,8 @@ class Model:
         one lost between calls is an RpcError from the next call; one lost during a call ends the
         process with one line and exit code 1 (ggml's RPC client aborts otherwise; rpc.py).
         progress: a progress bar on stderr while the servers' weights are uploaded.
+        mem_budget: bytes (or "8G", a preset: memory/budget.py) the model may keep resident; the
+        layers that do not fit are read from the file per token (memory/streaming.py).
         """
         if repack and exact_experts:
             raise EvalError("repack applies to the fast path; the exact path reads the experts from the file")
@@ -210,7 +226,8 @@ class Model:
         try:
             return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
                        n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads, n_batch=n_batch,
-                       dsa_path=dsa_path, rpc=rpc, tensor_split=tensor_split, progress=progress)
+                       dsa_path=dsa_path, rpc=rpc, tensor_split=tensor_split, progress=progress,
+                       mem_budget=mem_budget)
         except BaseException:
             weights.close()
             raise

@@ -28,6 +28,8 @@ from gguf_arch.arch.tensors import plan_tensors
 from gguf_arch.io.console import UsageError
 from gguf_arch.io.gguf_values import problem as value_problem
 
+from .memory.budget import parse_size
+
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed; the largest 32-bit seed
 # The tokenizer keys an override may change, with the tokenizer attribute each sets; gguf-py
 # writes the ids as uint32 and the flag as a bool.
@@ -79,6 +81,10 @@ def check_options(a: argparse.Namespace) -> list[str]:
         raise UsageError("--tensor-split needs --rpc")
     if a.repack and a.rpc is not None:
         raise UsageError("--repack applies to this host's weights only, not with --rpc")
+    if a.mem_budget is not None:
+        parse_size(a.mem_budget)  # a bad SIZE is one line before the model is opened
+        if a.rpc is not None or a.repack:
+            raise UsageError("--mem-budget streams this host's mapped layers; not with --rpc or --repack")
     return _cap_threads(a)
 
 

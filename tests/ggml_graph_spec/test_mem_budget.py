@@ -1,0 +1,171 @@
+"""--mem-budget: tokens identical to an unlimited run with most layers streamed from the file,
+on the fast and the exact path, and inside a real memory cgroup (memory/budget.py, streaming.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import convert_kimi_k3
+from gguf_arch.synth.cli import main as synth_main
+from ggml_graph_spec.memory.budget import PRESETS, BudgetError, parse_size, plan_budget
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 300
+# Anonymous memory of the child that is not the model's: the interpreter, numpy, ggml, gguf-py.
+OVERHEAD = 64 << 20
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+# A greedy run in a child process: prints the tokens, then the anonymous RSS and bytes streamed.
+CHILD = """
+import sys, numpy as np
+from ggml_graph_spec.model import Model
+path, exact, budget = sys.argv[1], sys.argv[2] == "1", (None if sys.argv[3] == "none" else sys.argv[3])
+m = Model.load(path, n_ctx=64, exact_experts=exact, n_threads=1, mem_budget=budget)
+logits, out = m.eval([1, 5, 9]), []
+for _ in range(6):
+    out.append(int(np.argmax(logits[-1])))
+    logits = m.eval([out[-1]])
+plan = getattr(m.executor, "plan_", None)
+rss = [l for l in open("/proc/self/status") if l.startswith("RssAnon:")][0].split()[1]
+print(" ".join(map(str, out)))
+print(int(rss) * 1024, plan.streamed if plan else (), getattr(m.executor, "bytes_read", 0))
+m.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def big_gguf(tmp_path_factory) -> Path:
+    """A generated K3.1-Pro with 64 experts per layer (~4 MB): several times the budgets below."""
+    d = tmp_path_factory.mktemp("membudget")
+    assert synth_main(["--preset", "tiny", "--experts", "64", str(d / "hf")]) == 0
+    assert convert_kimi_k3.main([str(d / "hf"), str(d / "m.gguf"), "--quiet"]) == 0
+    return d / "m.gguf"
+
+
+def _child(path: Path, exact: bool, budget: str, preexec=None) -> tuple[str, int, str, int]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", CHILD, str(path), "1" if exact else "0", budget], env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=preexec)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tokens, stats = r.stdout.strip().splitlines()
+    rss, rest = stats.split(" ", 1)
+    streamed, read = rest.rsplit(" ", 1)
+    return tokens, int(rss), streamed, int(read)
+
+
+def test_sizes_and_presets():
+    assert parse_size("512M") == 512 << 20 and parse_size("8G") == 8 << 30 and parse_size("1.5k") == 1536
+    assert parse_size("laptop") == PRESETS["laptop"] and parse_size(4096) == 4096
+    for bad in ("", "12Q", "-1G", "0", "G"):
+        with pytest.raises(BudgetError, match="--mem-budget"):
+            parse_size(bad)
+
+
+def test_plan_pins_a_prefix_that_fits():
+    p = plan_budget(100 + 3 * 10 + 2 * 10, 100, [10] * 6)
+    assert p.pinned == (0, 1, 2) and p.streamed == (3, 4, 5) and p.resident <= p.budget
+    assert p.streamed_bytes == 30
+    assert plan_budget(10**6, 100, [10] * 6).streamed == ()
+    with pytest.raises(BudgetError, match="too small"):
+        plan_budget(100 + 19, 100, [10] * 6)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_tokens_identical_at_budgets_below_a_third_of_the_model(big_gguf, exact):
+    size = big_gguf.stat().st_size
+    ref, _, streamed, _ = _child(big_gguf, exact, "none")
+    assert streamed == "()"
+    for budget in (size // 3, size // 2):
+        tokens, _, streamed, read = _child(big_gguf, exact, str(budget))
+        assert tokens == ref, f"budget {budget}"
+        assert streamed != "()" and read > 0, "the budget streamed no layer: the test proves nothing"
+
+
+def test_cli_summary_says_what_is_pinned(big_gguf):
+    budget = big_gguf.stat().st_size // 3
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    args = [sys.executable, "-m", "ggml_graph_spec", "-m", str(big_gguf), "-p", "hi", "-n", "3", "--temp", "0",
+            "-c", "64", "-t", "1"]
+    ref = subprocess.run(args, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    r = subprocess.run(args + ["--mem-budget", str(budget)], env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0 and ref.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == ref.stdout
+    assert "mem pinned" in r.stderr and "bytes read per token" in r.stderr
+    bad = subprocess.run(args + ["--mem-budget", "12Q"], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --mem-budget")
+
+
+def _make_cgroup(limit: int) -> Path:
+    if not CGROUP_V1.is_dir():
+        pytest.skip(f"no cgroup v1 memory controller at {CGROUP_V1}")
+    group = CGROUP_V1 / f"kimi-k3-membudget-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot create a memory cgroup at {group}: {e}")
+    return group
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_inside_a_memory_cgroup(big_gguf, exact):
+    budget = big_gguf.stat().st_size // 3
+    ref, _, _, _ = _child(big_gguf, exact, "none")
+    group = _make_cgroup(budget + OVERHEAD)
+    try:
+        procs = group / "cgroup.procs"
+        tokens, rss, streamed, _ = _child(big_gguf, exact, str(budget),
+                                          preexec=lambda: procs.write_text(str(os.getpid())))
+        failed = int((group / "memory.failcnt").read_text())
+    finally:
+        group.rmdir()
+    assert tokens == ref and streamed != "()"
+    assert rss <= budget + OVERHEAD, f"anonymous RSS {rss} > budget {budget} + overhead {OVERHEAD}"
+    print(f"cgroup limit {budget + OVERHEAD}: anonymous RSS {rss}, limit hits {failed}")
+
+
+@pytest.fixture(scope="module")
+def split_gguf(big_gguf) -> Path:
+    out = big_gguf.parent / "split" / "m.gguf"
+    out.parent.mkdir()
+    assert convert_kimi_k3.main([str(big_gguf.parent / "hf"), str(out), "--quiet", "--split-max-size", "2M"]) == 0
+    parts = sorted(out.parent.glob("*.gguf"))
+    assert len(parts) >= 2
+    return parts[0]
+
+
+def test_streaming_a_split_gguf(big_gguf, split_gguf):
+    budget = str(big_gguf.stat().st_size // 3)
+    ref, _, _, _ = _child(big_gguf, False, "none")
+    tokens, _, streamed, _ = _child(split_gguf, False, budget)
+    assert tokens == ref and streamed != "()"
+
+
+def _doctor(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ggml_graph_spec.memory.doctor", *map(str, args)],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("which", ["single", "split"])
+def test_doctor_reports_memory_disk_and_presets(big_gguf, split_gguf, which):
+    r = _doctor(big_gguf if which == "single" else split_gguf)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for needle in ("RAM ", "free disk", "read speed", "trunk", "experts", "run: kimi-k3-cli -m"):
+        assert needle in out, out
+    assert sum(line.startswith("preset ") for line in out.splitlines()) == len(PRESETS)
+    trunk, experts = (int(w) for w in (out.split("trunk ")[1].split()[0], out.split("experts ")[1].split()[0]))
+    assert experts > 0 and trunk > 0
+    assert trunk + experts <= sum(p.stat().st_size for p in big_gguf.parent.glob("m.gguf"))
+
+
+def test_doctor_bad_input_is_one_line():
+    r = _doctor("no-such.gguf")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
