@@ -26,9 +26,18 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
            than by a prefill of N tokens (which would take hours on 2 cores): the cost of a decode
            step does not depend on what the rows hold. Timings are the minimum of --repeats runs
            (decode) or 7 runs (attention kernel)
-           (the machine may be shared; the JSON records the load average).
+           (the machine may be shared; the JSON records the load average). The (path, kernel)
+           models take turns run by run, so that a busy period slows all of them alike.
+  ops      on the DSA GGUF, fast path, one thread: the CPU time of each op of one decode step,
+           masked against gather, at each context (bench/op_profile.py: thread CPU time, node by
+           node, which a shared machine's load does not inflate), printed as the ops where the
+           two paths differ most.
 
-Results: bench/results/graph.json and bench/results/graph.png (decode time per token and the
+The JSON records the CPU's features (/proc/cpuinfo flags such as avx512_bf16, avx512f, avx2):
+ggml picks its kernels by them, so results from two CPUs are two different benchmarks.
+
+Results: bench/results/graph.json and bench/results/graph.png (written when matplotlib, of the
+project's bench extra, is installed; decode time per token and the
 attention kernel's time per token, fast and exact, against the context length); the crossover
 contexts (the first measured N from which on the gathered path is faster than the masked one, for
 each of the four timings) are printed.
@@ -167,13 +176,29 @@ def _attention_time(m, n: int, top_k: int | None, path: str, exact: bool, rng) -
         return _time(lambda: m._exec.compute(g, [out]))
 
 
-def _decode_time(m, n: int, a: argparse.Namespace) -> float:
-    """The fastest of `repeats` whole-model decode steps at context n (caches already filled)."""
-    runs = []
+def _decode_times(models: dict, n: int, top_k: int, a: argparse.Namespace, rng) -> dict:
+    """The fastest of `repeats` whole-model decode steps at context n for every (path, exact)
+    model, the models taking turns run by run: a busy period of a shared machine then slows
+    every path alike instead of whichever one it happened to fall on."""
+    for (path, _), m in models.items():
+        if path != "dense":
+            m.top_k = top_k
+        fill_caches(m, n, rng)
+    runs: dict = {key: [] for key in models}
     for _ in range(a.repeats):
-        m.cache.n_past = n
-        runs.append(_time(lambda: m.eval([1])))
-    return min(runs)
+        for key, m in models.items():
+            m.cache.n_past = n
+            runs[key].append(_time(lambda: m.eval([1])))
+    return {key: min(v) for key, v in runs.items()}
+
+
+def _attention_times(m, n: int, k: int | None, path: str, rng) -> dict:
+    """The fastest of ATTENTION_REPEATS runs of the attention kernel alone, both kernels."""
+    runs = {"attention_fast_s": [], "attention_exact_s": []}
+    for _ in range(ATTENTION_REPEATS):  # short runs: more of them against a busy machine
+        runs["attention_fast_s"].append(_attention_time(m, n, k, path, False, rng))
+        runs["attention_exact_s"].append(_attention_time(m, n, k, path, True, rng))
+    return {key: min(v) for key, v in runs.items()}
 
 
 def child_contexts(a: argparse.Namespace) -> dict:
@@ -196,27 +221,50 @@ def child_contexts(a: argparse.Namespace) -> dict:
     for n in a.contexts:
         top_k = max(1, n // TOP_K_FRACTION)
         out["top_k"].append(top_k)
+        decode = _decode_times(models, n, top_k, a, rng)
         for path in PATHS:
             for exact in (False, True):
-                m = models[path, exact]
-                if path != "dense":
-                    m.top_k = top_k
-                fill_caches(m, n, rng)
-                out[path]["decode_exact_s" if exact else "decode_s"].append(_decode_time(m, n, a))
-            k = None if path == "dense" else top_k
-            m = models[path, False]
-            runs = {"attention_fast_s": [], "attention_exact_s": []}
-            for _ in range(ATTENTION_REPEATS):  # short runs: more of them against a busy machine
-                runs["attention_fast_s"].append(_attention_time(m, n, k, path, False, rng))
-                runs["attention_exact_s"].append(_attention_time(m, n, k, path, True, rng))
-            for key, v in runs.items():
-                out[path][key].append(min(v))
+                out[path]["decode_exact_s" if exact else "decode_s"].append(decode[path, exact])
+            for key, v in _attention_times(models[path, False], n, None if path == "dense" else top_k,
+                                           path, rng).items():
+                out[path][key].append(v)
             print(f"  N {n:6d} top_k {top_k:5d} {path:6s}: " + ", ".join(
                 f"{key[:-2]} {out[path][key][-1] * 1e3:7.2f} ms" for key in TIMINGS), file=sys.stderr, flush=True)
     return out
 
 
-CHILDREN = {"ours": child_ours, "ours-repack": child_ours, "llama": child_llama, "contexts": child_contexts}
+OP_PROFILE_RUNS = 3
+
+
+def child_ops(a: argparse.Namespace) -> dict:
+    """Per-op CPU time of one whole-model decode step (fast path, one thread: op_profile.py says
+    why) on the masked and the gathered DSA path at each context: where each path's time goes."""
+    import numpy as np
+
+    from bench import op_profile
+    from ggml_graph_spec.model import Model
+    rng = np.random.default_rng(0)
+    out: dict = {"threads": 1, "clock": "thread CPU time", "runs": OP_PROFILE_RUNS, "contexts": a.contexts}
+    models = {p: Model.load(a.gguf, n_ctx=max(a.contexts) + 1, n_threads=1, dsa_path=p) for p in PATHS[1:]}
+    for p, m in models.items():
+        m.eval([1])  # warm-up
+        out[p] = []
+    for n in a.contexts:
+        for p, m in models.items():
+            m.top_k = max(1, n // TOP_K_FRACTION)
+            fill_caches(m, n, rng)
+            records: list = []
+            with op_profile.profiling(records):
+                for _ in range(OP_PROFILE_RUNS):
+                    m.cache.n_past = n
+                    m.eval([1])
+            ops = op_profile.per_op(records)
+            out[p].append({"nodes": len(records[0]), "total_s": sum(ops.values()), "ops_s": ops})
+    return out
+
+
+CHILDREN = {"ours": child_ours, "ours-repack": child_ours, "llama": child_llama, "contexts": child_contexts,
+            "ops": child_ops}
 
 
 def run_child(kind: str, gguf: Path, a: argparse.Namespace) -> dict:
@@ -253,8 +301,43 @@ def best_of_rounds(kind: str, gguf: Path, a: argparse.Namespace) -> dict:
     yield best
 
 
+# The /proc/cpuinfo flags that decide which ggml CPU kernels run (BF16 dot products, F16
+# conversion, the repacked layouts): two machines with different ones are different benchmarks.
+CPU_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512f", "avx512bw", "avx512vl", "amx_bf16", "amx_tile", "amx_int8",
+             "avx_vnni", "avx2", "fma", "f16c", "avx")
+
+
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The CPU model name and which of CPU_FLAGS it has (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return {"model_name": None, "flags": []}
+    info = dict(line.split(":", 1) for line in lines if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = set(info.get("flags", "").split())
+    return {"model_name": info.get("model name"), "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def print_ops(ops: dict, top: int = 8) -> None:
+    """Per-op CPU time of a decode step, masked against gather, the ops that differ most first."""
+    for i, n in enumerate(ops["contexts"]):
+        m, g = ops["masked"][i], ops["gather"][i]
+        print(f"N {n:6d} per-op CPU time of one decode step (1 thread): masked {m['total_s'] * 1e3:.1f} ms "
+              f"({m['nodes']} nodes), gather {g['total_s'] * 1e3:.1f} ms ({g['nodes']} nodes)")
+        names = set(m["ops_s"]) | set(g["ops_s"])
+        diff = sorted(names, key=lambda op: -abs(g["ops_s"].get(op, 0) - m["ops_s"].get(op, 0)))
+        for op in diff[:top]:
+            print(f"    {op:16s} masked {m['ops_s'].get(op, 0) * 1e3:8.2f} ms  gather {g['ops_s'].get(op, 0) * 1e3:8.2f} ms")
+
+
 def plot(ctx: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"plot skipped: matplotlib is not installed (pip install -e '.[bench]'); {path.name} not written",
+              file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
@@ -275,6 +358,27 @@ def plot(ctx: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def report(result: dict) -> None:
+    """The speed ratios, the gather/masked ratios by context, the crossovers and the per-op table."""
+    s, ctx = result["speed"], result["contexts"]
+    ours, repack, llama = s["ours"], s["ours_repack"], s["llama_cpp"]
+    print(f"ours: llamafile sgemm {ours['llamafile_sgemm']}, with repack {repack['repacked_tensors']} tensors repacked")
+    print(f"prompt processing: ours {ours['pp_tok_s']:.2f} tok/s ({s['pp_ratio']:.2f}x), repack {repack['pp_tok_s']:.2f} "
+          f"tok/s ({s['repack_pp_ratio']:.2f}x), llama.cpp {llama['pp_tok_s']:.2f} tok/s (1.00x)")
+    print(f"decode:            ours {ours['tg_tok_s']:.2f} tok/s ({s['decode_ratio']:.2f}x), repack {repack['tg_tok_s']:.2f} "
+          f"tok/s ({s['repack_decode_ratio']:.2f}x), llama.cpp {llama['tg_tok_s']:.2f} tok/s (1.00x)")
+    print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, repack {repack['peak_rss_mib']:.0f} MiB, "
+          f"llama.cpp {llama['peak_rss_mib']:.0f} MiB")
+    for n, k, i in zip(ctx["contexts"], ctx["top_k"], range(len(ctx["contexts"]))):
+        ratios = {key: ctx["gather"][key][i] / ctx["masked"][key][i] for key in TIMINGS}
+        print(f"N {n:6d} top_k {k:5d}: gather/masked decode fast {ratios['decode_s']:.2f}, exact "
+              f"{ratios['decode_exact_s']:.2f}; attention fast {ratios['attention_fast_s']:.2f}, exact "
+              f"{ratios['attention_exact_s']:.2f}")
+    for key, n in result["crossover_context"].items():
+        print(f"crossover context ({key}: gather faster than masked from here on): {n}")
+    print_ops(result["decode_ops"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,34 +410,23 @@ def main(argv: list[str] | None = None) -> int:
     ours, repack, llama = (next(r) for r in runs)
     print(f"contexts on {dsa.name}", file=sys.stderr)
     ctx = run_child("contexts", dsa, a)
+    print(f"per-op profile on {dsa.name}", file=sys.stderr)
+    ops = run_child("ops", dsa, a)
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
-                    "load_average_at_start": load_at_start},
+                    "cpu_features": cpu_features(), "load_average_at_start": load_at_start,
+                    "load_average_at_end": os.getloadavg()},
         "checkpoint": {"synth": SYNTH, "gguf_bytes": {no_dsa.name: no_dsa.stat().st_size, dsa.name: dsa.stat().st_size}},
         "speed": {"threads": a.threads, "gguf": no_dsa.name, "ours": ours, "ours_repack": repack, "llama_cpp": llama,
                   "decode_ratio": ours["tg_tok_s"] / llama["tg_tok_s"], "pp_ratio": ours["pp_tok_s"] / llama["pp_tok_s"],
                   "repack_decode_ratio": repack["tg_tok_s"] / llama["tg_tok_s"],
                   "repack_pp_ratio": repack["pp_tok_s"] / llama["pp_tok_s"]},
-        "contexts": ctx, "crossover_context": {key: crossover(ctx, key) for key in TIMINGS},
+        "contexts": ctx, "crossover_context": {key: crossover(ctx, key) for key in TIMINGS}, "decode_ops": ops,
     }
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     plot(ctx, a.json.with_suffix(".png"))
-    s = result["speed"]
-    print(f"ours: llamafile sgemm {ours['llamafile_sgemm']}, with repack {repack['repacked_tensors']} tensors repacked")
-    print(f"prompt processing: ours {ours['pp_tok_s']:.2f} tok/s ({s['pp_ratio']:.2f}x), repack {repack['pp_tok_s']:.2f} "
-          f"tok/s ({s['repack_pp_ratio']:.2f}x), llama.cpp {llama['pp_tok_s']:.2f} tok/s (1.00x)")
-    print(f"decode:            ours {ours['tg_tok_s']:.2f} tok/s ({s['decode_ratio']:.2f}x), repack {repack['tg_tok_s']:.2f} "
-          f"tok/s ({s['repack_decode_ratio']:.2f}x), llama.cpp {llama['tg_tok_s']:.2f} tok/s (1.00x)")
-    print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, repack {repack['peak_rss_mib']:.0f} MiB, "
-          f"llama.cpp {llama['peak_rss_mib']:.0f} MiB")
-    for n, k, i in zip(ctx["contexts"], ctx["top_k"], range(len(ctx["contexts"]))):
-        ratios = {key: ctx["gather"][key][i] / ctx["masked"][key][i] for key in TIMINGS}
-        print(f"N {n:6d} top_k {k:5d}: gather/masked decode fast {ratios['decode_s']:.2f}, exact "
-              f"{ratios['decode_exact_s']:.2f}; attention fast {ratios['attention_fast_s']:.2f}, exact "
-              f"{ratios['attention_exact_s']:.2f}")
-    for key, n in result["crossover_context"].items():
-        print(f"crossover context ({key}: gather faster than masked from here on): {n}")
+    report(result)
     return 0
 
 

@@ -39,8 +39,9 @@ from .memory.streaming import StreamingExecutor
 from .placement import OUTPUT_SEGMENT
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
-# kernels in bench/graph.py (attention kernel 0.41-0.96x of masked on the fast path, 0.07-0.21x
-# on the exact one, 1k-128k contexts; whole-model decode 0.66x / 0.57x at 128k). Prefill is its
+# kernels in bench/graph.py, on AVX2 (attention kernel 0.41-0.96x of masked on the fast path,
+# 0.07-0.21x on the exact one, 1k-128k contexts; whole-model decode 0.66x / 0.57x at 128k) and
+# on AVX512-BF16 (decode 0.90-0.99x at 1k-8k; README, issue 19). Prefill is its
 # cost: equal on that model's 512-token prompt, 13% slower on the tiny model's 2k-8k prompts
 # (bench/dsa_batches.py).
 DEFAULT_DSA_PATH = "gather"
