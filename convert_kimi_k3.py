@@ -13,6 +13,7 @@ checkpoint), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="write tensors holding NaN or inf (one warning line per tensor) instead of refusing them")
     p.add_argument("--verify", type=Path, metavar="OUT.gguf",
                    help="re-check OUT.gguf against its .sha256.json manifest and every tensor against MODEL_DIR")
+    p.add_argument("-j", "--threads", type=int, metavar="N",
+                   help="worker threads per stage (expert repack, shard reads in flight, non-finite scan; "
+                        "default: the CPUs this process may run on); the output bytes do not depend on it")
     add_quant_arguments(p)
     return p
 
@@ -91,7 +95,7 @@ def _run(args: argparse.Namespace, log) -> None:
         return
     output = OutputOptions(split, args.resume, progress_bar=not args.quiet and sys.stderr.isatty(),
                            log_json=args.log_json, export_rules=args.export_quantize_rules,
-                           allow_non_finite=args.allow_non_finite)
+                           allow_non_finite=args.allow_non_finite, threads=args.threads)
     convert(args.model_dir, args.out, overwrite=args.overwrite, dsa=not args.no_dsa, quant=quant,
             output=output, log=log)
 
@@ -99,7 +103,7 @@ def _run(args: argparse.Namespace, log) -> None:
 # Options that only a conversion reads: (attribute, flag), set when not at their default.
 _WRITING = (("overwrite", "--overwrite"), ("resume", "--resume"), ("split_max_size", "--split-max-size"),
             ("split_max_tensors", "--split-max-tensors"), ("log_json", "--log-json"),
-            ("allow_non_finite", "--allow-non-finite"))
+            ("allow_non_finite", "--allow-non-finite"), ("threads", "--threads"))
 _CONVERTING = (*_WRITING, ("no_dsa", "--no-dsa"), ("dry_run", "--dry-run"),
                ("print_tensor_types", "--print-tensor-types"), ("export_quantize_rules", "--export-quantize-rules"),
                ("tensor_type", "--tensor-type"), ("tensor_type_file", "--tensor-type-file"),
@@ -132,6 +136,8 @@ def _refuse_ignored(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--resume keeps verified finished files, --overwrite replaces everything: pick one")
     if args.split_max_tensors < 0:
         parser.error("--split-max-tensors must be a positive number of tensors")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"-j/--threads must be at least 1, got {args.threads}")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -142,6 +148,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"two outputs: OUT {args.out} and --outfile {args.outfile}; give one")
         args.out = args.outfile
     _refuse_ignored(parser, args)
+    if args.threads is None:
+        args.threads = len(os.sched_getaffinity(0))
     return args
 
 

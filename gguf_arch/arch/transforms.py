@@ -47,6 +47,10 @@ def _flat(a: np.ndarray | ShardArray) -> np.ndarray | ShardArray:
 def _byte_chunks(a: np.ndarray | ShardArray) -> Chunks:
     flat = _flat(a)
     step = max(1, CHUNK_BYTES // flat.dtype.itemsize)
+    if isinstance(flat, ShardArray):  # read ahead as the checkpoint allows, straight into the written buffer
+        for chunk in flat.flat_chunks(step):
+            yield memoryview(chunk.view(np.uint8))
+        return
     for start in range(0, flat.size, step):
         yield memoryview(np.asarray(flat[start:start + step]).view(np.uint8))
 
@@ -117,17 +121,18 @@ def _repack(pair: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     return _flat_bytes(repack_to_ggml(*pair))
 
 
-def mxfp4_experts(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+def mxfp4_experts(pt: PlannedTensor, out: Q, read: Read, threads: int | None = None) -> Chunks:
     """[n_expert, rows, cols] block_mxfp4, yielded one expert at a time (bounded memory).
 
     The nibble work of the next few experts runs on worker threads (numpy releases the GIL), so a
-    many-core machine repacks in parallel; only views are taken on the caller's thread.
+    many-core machine repacks in parallel; only views are taken on the caller's thread. `threads`:
+    how many (the converter's -j; None: REPACK_AHEAD).
     """
     if out != Q.MXFP4:
         raise ValueError(f"{pt.name}: routed experts are written as MXFP4, not {out.name}")
     names = [name for name, _ in pt.sources]
     pairs = ((np.asarray(read(p)[1]), np.asarray(read(s)[1])) for p, s in zip(names[0::2], names[1::2]))
-    for block in ahead(_repack, pairs, REPACK_AHEAD):
+    for block in ahead(_repack, pairs, threads or REPACK_AHEAD):
         yield memoryview(block)
 
 
@@ -142,6 +147,9 @@ TRANSFORMS: dict[str, Callable[[PlannedTensor, Q, Read], Chunks]] = {
 }
 
 
-def tensor_chunks(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
-    """The bytes of GGUF tensor `pt` at type `out`, in file order."""
+def tensor_chunks(pt: PlannedTensor, out: Q, read: Read, threads: int | None = None) -> Chunks:
+    """The bytes of GGUF tensor `pt` at type `out`, in file order; `threads` bounds the experts
+    repacked at once (the only transform with work worth spreading over cores)."""
+    if pt.transform == "mxfp4_experts":
+        return mxfp4_experts(pt, out, read, threads)
     return TRANSFORMS[pt.transform](pt, out, read)

@@ -13,6 +13,10 @@ import numpy as np
 from ..errors import KimiError
 from ..io.gguf_writer import OutputTensor
 from ..io.nonfinite import NonFiniteScan, supported
+from ..io.pipeline import SerialWorker
+
+# Chunks handed to the scanning thread and not yet scanned (bounded, like the writer's queue).
+SCAN_AHEAD = 2
 
 
 class NonFiniteError(KimiError):
@@ -25,17 +29,28 @@ def _where(t: OutputTensor, source: str, scan: NonFiniteScan) -> str:
             f"is not finite (NaN or inf{', a non-finite block scale' if scan.unit_elems > 1 else ''})")
 
 
-def checked_chunks(t: OutputTensor, source: str, chunks: Iterable, allow: bool) -> Iterator:
-    """`chunks` passed through once scanned; NonFiniteError at the first bad one unless `allow`."""
+def _refuse(t: OutputTensor, source: str, scan: NonFiniteScan, allow: bool) -> None:
+    if scan.first is not None and not allow:
+        raise NonFiniteError(f"{_where(t, source, scan)}; fix the checkpoint, or pass --allow-non-finite "
+                             "to write it anyway")
+
+
+def checked_chunks(t: OutputTensor, source: str, chunks: Iterable, allow: bool, threads: int = 1) -> Iterator:
+    """`chunks` passed through once scanned; NonFiniteError at the first bad one unless `allow`.
+
+    With `threads` above 1 the scan runs on a thread of its own (numpy releases the GIL), in chunk
+    order, at most SCAN_AHEAD chunks behind: a bad chunk may already be on its way to the writer's
+    `.partial` when the error is raised, which removes that file; OUT is never written."""
     if not supported(t.ggml_type):
         raise KimiError(f"{t.name}: no non-finite check for GGML type {t.ggml_type.name}")
     scan = NonFiniteScan(t.ggml_type)
-    for chunk in chunks:
-        scan.feed(chunk)
-        if scan.first is not None and not allow:
-            raise NonFiniteError(f"{_where(t, source, scan)}; fix the checkpoint, or pass --allow-non-finite "
-                                 "to write it anyway")
-        yield chunk
+    with SerialWorker(SCAN_AHEAD if threads > 1 else 0) as scanner:
+        for chunk in chunks:
+            scanner.submit(scan.feed, chunk)
+            _refuse(t, source, scan, allow)
+            yield chunk
+        scanner.drain()
+    _refuse(t, source, scan, allow)
     if scan.first is not None:
         print(f"warning: {_where(t, source, scan)}; {scan.bad_units} non-finite {scan.unit}(s) written as they "
               "are (--allow-non-finite)", file=sys.stderr)

@@ -40,6 +40,21 @@ class OutputOptions:
     log_json: Path | None = None  # one JSON progress line per tensor
     export_rules: Path | None = None  # the llama-quantize rules for this conversion's types
     allow_non_finite: bool = False  # write NaN/inf values with a warning instead of refusing them
+    threads: int = 1  # worker threads per stage (-j): experts repacked, shard reads in flight, scan
+
+    @property
+    def read_ahead(self) -> int:
+        # 16 MiB per read in flight: capped so that memory stays a few chunks on a 64-core machine.
+        return min(self.threads, MAX_READ_AHEAD)
+
+    @property
+    def repack_ahead(self) -> int:
+        # ~6 MB per real expert in flight, twice (input and output): -j 1000 must not hold 1000.
+        return min(self.threads, MAX_REPACK_AHEAD)
+
+
+MAX_READ_AHEAD = 4
+MAX_REPACK_AHEAD = 8
 
 
 def claim_outputs(model_dir: Path, out: Path, files: list[OutputFile], todo: list[OutputFile] | None,
@@ -103,7 +118,7 @@ class _Planned:
     todo: list[OutputFile]
 
 
-def _plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOptions, output: OutputOptions,
+def plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOptions, output: OutputOptions,
                 log) -> _Planned:
     plan = plan_conversion(cfg, ckpt.metas, dsa=dsa)
     kv = tuple(gguf_metadata(plan.cfg, model_dir))  # reads the tokenizer: fails before any output
@@ -115,14 +130,20 @@ def _plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOp
     return _Planned(plan, types, files, files_to_write(files, log) if output.resume else files)
 
 
-def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> None:
+def source_chunks_for(p: _Planned, ckpt, output: OutputOptions, log) -> Callable[[OutputTensor], Iterator]:
+    """Each output tensor's final bytes, scanned for non-finite values (what the writer pulls)."""
     by_name = {o.output.name: o.tensor for o in p.plan.outputs}
     decided = {d.name: d for d in p.types.decisions}
 
     def source_chunks(t: OutputTensor) -> Iterator:
         d, pt = decided[t.name], by_name[t.name]
-        chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read), log)
-        return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite)
+        chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read, output.repack_ahead), log)
+        return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite, output.threads)
+    return source_chunks
+
+
+def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> None:
+    source_chunks = source_chunks_for(p, ckpt, output, log)
     progress = Progress(sum(t.nbytes for f in p.todo for t in f.layout.tensors), bar=output.progress_bar,
                         log_json=output.log_json, replace=replace)
     done: list[OutputFile] = []
@@ -147,8 +168,8 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
     with output_lock(out):
         early.check()
         cfg = load_config(model_dir)
-        with open_checkpoint(model_dir) as ckpt:  # every shard there and as long as its header says
-            p = _plan_files(cfg, ckpt, model_dir, out, dsa, quant, output, log)
+        with open_checkpoint(model_dir, output.read_ahead) as ckpt:  # every shard there and as long as its header says
+            p = plan_files(cfg, ckpt, model_dir, out, dsa, quant, output, log)
             claim_outputs(model_dir, out, p.files, p.todo, output, replace).check()
             check_free_space(out.parent, sum(f.size for f in p.todo))
             if output.export_rules is not None:

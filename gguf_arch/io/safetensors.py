@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .jsonfile import NotRegularFile, open_regular, read_json
+from .pipeline import ahead
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own limit on the JSON header; a larger length field means a corrupt file.
@@ -229,6 +230,16 @@ class ShardArray:
         return self._ckpt.read_range(self._entry, start * row, max(0, stop - start) * row).reshape(
             (max(0, stop - start), *self.shape[1:]))
 
+    def flat_chunks(self, step: int):
+        """The values in C order, `step` elements at a time; with the checkpoint's `read_ahead`
+        above 1, that many preads are in flight on threads (pread releases the GIL), so the disk
+        sees a queue instead of one request at a time while the caller hashes and writes."""
+        def read(start: int) -> np.ndarray:
+            return self._ckpt.read_range(self._entry, start, min(step, self.size - start))
+        starts = range(0, self.size, step)
+        depth = self._ckpt.read_ahead
+        return ahead(read, starts, depth) if depth > 1 else map(read, starts)
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         a = self._ckpt.read_range(self._entry, 0, self.size).reshape(self.shape)
         return a if dtype is None else a.astype(dtype)
@@ -250,8 +261,10 @@ class Checkpoint:
     instead of converted from bytes the header no longer describes.
     """
 
-    def __init__(self, model_dir: Path, entries: dict[str, TensorEntry], stamps: dict[str, Stamp] | None = None):
+    def __init__(self, model_dir: Path, entries: dict[str, TensorEntry], stamps: dict[str, Stamp] | None = None,
+                 read_ahead: int = 1):
         self.model_dir = model_dir
+        self.read_ahead = read_ahead  # chunk reads of one large tensor in flight at once
         self.entries = entries
         self.stamps = stamps or {}
         self._fds: dict[str, int] = {}
@@ -313,7 +326,7 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(model_dir: Path | str) -> Checkpoint:
+def open_checkpoint(model_dir: Path | str, read_ahead: int = 1) -> Checkpoint:
     """Read the index and every shard header; every listed tensor must sit in the shard named."""
     model_dir = Path(model_dir)
     wmap = read_weight_map(model_dir)
@@ -334,4 +347,4 @@ def open_checkpoint(model_dir: Path | str) -> Checkpoint:
     if absent:
         raise CheckpointError(f"{INDEX_FILE}: tensor {absent[0]} is mapped to {wmap[absent[0]]} but that "
                               f"shard's header does not contain it ({len(absent)} such tensor(s))")
-    return Checkpoint(model_dir, entries, stamps)
+    return Checkpoint(model_dir, entries, stamps, read_ahead)

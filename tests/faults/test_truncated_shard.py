@@ -23,8 +23,8 @@ _SMALL = ("import gguf_arch.io.safetensors as st, gguf_arch.arch.transforms as t
           "st.WHOLE_BYTES = 1024\ntr.CHUNK_BYTES = 4096\n")
 TRUNCATE_WHILE_CONVERTING = _SMALL + (
     "import os, gguf_arch.convert.run as m\nreal = m.tensor_chunks\n"
-    "def chunks(pt, out, read):\n"
-    "    it = real(pt, out, read)\n"
+    "def chunks(pt, out, read, *threads):\n"
+    "    it = real(pt, out, read, *threads)\n"
     "    if pt.name != 'token_embd.weight':\n        return it\n"
     "    def gen():\n"
     "        for i, c in enumerate(it):\n"

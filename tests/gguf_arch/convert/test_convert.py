@@ -199,10 +199,10 @@ def test_cli_prints_counts_and_quiet_prints_nothing(k3_tiny_dir, tmp_path, capsy
 
 
 def _failing_chunks(exc: BaseException):
-    def chunks(pt, out, read):
+    def chunks(pt, out, read, *threads):
         if pt.name.startswith("blk.5."):
             raise exc
-        return real(pt, out, read)
+        return real(pt, out, read, *threads)
     real = convert_mod.tensor_chunks
     return chunks
 
