@@ -13,7 +13,6 @@ checkpoint), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from gguf_arch.arch.keys import dsa_key_lines
 from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_files
 from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
-from gguf_arch.io.console import ArgumentParser
+from gguf_arch.io.console import ArgumentParser, cpu_count
 from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
@@ -149,7 +148,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         args.out = args.outfile
     _refuse_ignored(parser, args)
     if args.threads is None:
-        args.threads = len(os.sched_getaffinity(0))
+        args.threads = cpu_count()
     return args
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from typing import Any, Callable, Mapping
 
 from gguf import GGUFValueType as T
@@ -25,7 +24,7 @@ from gguf import Keys
 from gguf_arch.arch import keys as K
 from gguf_arch.arch.config import K3Config
 from gguf_arch.arch.tensors import plan_tensors
-from gguf_arch.io.console import UsageError
+from gguf_arch.io.console import UsageError, cpu_count
 from gguf_arch.io.gguf_values import problem as value_problem
 
 from .memory.budget import parse_size
@@ -35,14 +34,6 @@ RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed; the lar
 # writes the ids as uint32 and the flag as a bool.
 TOKENIZER_OVERRIDES = {Keys.Tokenizer.BOS_ID: ("bos_id", T.UINT32), Keys.Tokenizer.EOS_ID: ("eos_id", T.UINT32),
                        Keys.Tokenizer.ADD_BOS: ("add_bos", T.BOOL)}
-
-
-def cpu_count() -> int:
-    """The CPUs this process may run on (its affinity mask), not the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 # (option, attribute, lowest, highest or None); floats must also be finite. --temp <= 0 is greedy,

@@ -8,6 +8,7 @@ and a pointer to --help in it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 from typing import Any, Iterable, Sequence
@@ -33,6 +34,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask), not the machine's: the default and
+    the cap of a tool's threads."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _installed(distribution: str) -> str | None:
