@@ -96,25 +96,37 @@ def _gathered_rows(g: GraphBuild, kv: Tensor, sel: Tensor) -> Tensor:
     return ggml.ggml_reshape_3d(g.ctx, rows, kv.contents.ne[0], k, T)
 
 
+def _values_t(g: GraphBuild, rows: Tensor) -> Tensor:
+    """The latent part of F32 rows [D, k, T], transposed for the value matmul: [k, kv_lora, T].
+
+    On the fast path one ggml_cpy into a new F16 tensor transposes and rounds to F16 (the
+    cache's own values, exactly) in a single pass: a third of the time ggml_cont takes to
+    transpose the F16 copy (bench/graph.py, per-op profile)."""
+    ctx, r = g.ctx, rows.contents
+    v = ggml.ggml_view_3d(ctx, rows, g.cfg.kv_lora_rank, r.ne[1], r.ne[2], r.nb[1], r.nb[2], 0)
+    v_t = ggml.ggml_permute(ctx, v, 1, 0, 2, 3)  # [k, kv_lora, T], a view
+    if g.exact:
+        return ggml.ggml_cont(ctx, v_t)
+    return ggml.ggml_cpy(ctx, v_t, ggml.ggml_new_tensor_3d(ctx, _F16, r.ne[1], g.cfg.kv_lora_rank, r.ne[2]))
+
+
 def _attend_rows(g: GraphBuild, q: Tensor, rows: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """q [D, H, T], rows [D, k, T] (F32 exact, F16 fast), mask [k, 1, T] (0 / -inf) -> [kv_lora, H, T].
+    """q [D, H, T], rows [D, k, T] F32, mask [k, 1, T] (0 / -inf) -> [kv_lora, H, T].
 
     Two matmuls and a softmax, on both kernels: each query's H heads share its k rows, so q.k
     is one [k, D] x [D, H] product per query, which ggml's matmul runs blocked (llamafile's
     sgemm), where flash_attn_ext takes the heads one by one with a dot product per key (measured
     on the 7168-wide model, one thread: 0.83 against 1.75 ms at 1k keys / top_k 128, 7.4
-    against 11.2 ms at 8k / 1024). On the fast path the rows stay F16, the cache's own values,
-    and ggml rounds q and p to F16 for the products as flash attention rounds q.
+    against 11.2 ms at 8k / 1024). On the fast path the keys and values are F16, the cache's
+    own values, and ggml rounds q and p to F16 for the products as flash attention rounds q.
 
     The mask is added before the scale: its values are 0 and -inf, which the scale keeps, so
     the softmax sees scale * q.k + mask as soft_max_ext does on the masked path."""
     ctx = g.ctx
-    kq = ggml.ggml_add(ctx, ggml.ggml_mul_mat(ctx, rows, q), mask)  # [k, H, T]
+    keys = rows if g.exact else ggml.ggml_cast(ctx, rows, _F16)
+    kq = ggml.ggml_add(ctx, ggml.ggml_mul_mat(ctx, keys, q), mask)  # [k, H, T]
     p = ggml.ggml_soft_max_ext(ctx, kq, None, scale, 0.0)
-    r = rows.contents
-    v = ggml.ggml_view_3d(ctx, rows, g.cfg.kv_lora_rank, r.ne[1], r.ne[2], r.nb[1], r.nb[2], 0)
-    v_t = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, v, 1, 0, 2, 3))  # [k, kv_lora, T]
-    return ggml.ggml_mul_mat(ctx, v_t, p)
+    return ggml.ggml_mul_mat(ctx, _values_t(g, rows), p)
 
 
 def attend_gathered(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, k: int, scale: float) -> Tensor:
@@ -134,8 +146,6 @@ def attend_gathered(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, k: int, 
     for t0 in range(0, T, step):
         n = min(step, T - t0)
         rows = _gathered_rows(g, kv, _cols(g, sel, t0, n, 2))
-        if not g.exact:  # back to the cache's F16 values (get_rows dequantized them)
-            rows = ggml.ggml_cast(ctx, rows, _F16)
         part = _attend_rows(g, _cols(g, q, t0, n, 3), rows, ggml.ggml_reshape_3d(ctx, _cols(g, sel_mask, t0, n, 3), k, 1, n),
                       scale)
         out = part if out is None else ggml.ggml_concat(ctx, out, part, 2)
