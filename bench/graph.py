@@ -24,14 +24,18 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
            rows, attention over them), for both kernels (fast: F16 cache + flash attention;
            exact: F32 cache + mul_mat/softmax). The caches are filled with random rows rather
            than by a prefill of N tokens (which would take hours on 2 cores): the cost of a decode
-           step does not depend on what the rows hold. Timings are the minimum of --repeats runs
-           (decode) or 7 runs (attention kernel)
-           (the machine may be shared; the JSON records the load average). The (path, kernel)
-           models take turns run by run, so that a busy period slows all of them alike.
+           step does not depend on what the rows hold. The attention kernel is also timed at
+           --kernel-contexts (default 32k-128k: synthetic inputs, seconds each), and only its
+           graph compute counts (allocated and given its inputs first: in the model the cache
+           is already there). Timings are the minimum of --repeats runs (decode) or 7 runs
+           (attention kernel) (the machine may be shared; the JSON records the load average).
+           The models, and the paths' kernels, take turns run by run, so that a busy period
+           slows all of them alike.
   ops      on the DSA GGUF, fast path, one thread: the CPU time of each op of one decode step,
            masked against gather, at each context (bench/op_profile.py: thread CPU time, node by
            node, which a shared machine's load does not inflate), printed as the ops where the
-           two paths differ most.
+           two paths differ most; and the same for the fast attention kernel alone at every
+           kernel context (where the gathered kernel's time goes: matmuls, get_rows, copies).
 
 The JSON records the CPU's features (/proc/cpuinfo flags such as avx512_bf16, avx512f, avx2):
 ggml picks its kernels by them, so results from two CPUs are two different benchmarks.
@@ -52,7 +56,9 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -60,7 +66,8 @@ SYNTH = ["--preset", "large", "--experts", "8"]
 TOP_K_FRACTION = 8  # top_k = context / 8 in the context sweep
 PATHS = ("dense", "masked", "gather")
 ATTENTION_REPEATS = 7
-TIMINGS = ("decode_s", "decode_exact_s", "attention_fast_s", "attention_exact_s")
+TIMINGS = ("decode_s", "decode_exact_s")
+KERNEL_TIMINGS = ("attention_fast_s", "attention_exact_s")
 
 
 # ---- checkpoint and GGUFs ---------------------------------------------------------------------
@@ -144,36 +151,46 @@ def fill_caches(m, n: int, rng) -> None:
     m.cache.n_past = n
 
 
-def _attention_time(m, n: int, top_k: int | None, path: str, exact: bool, rng) -> float:
-    """One decode step of the attention kernel alone over n cached keys, given the selection:
-    dense (causal mask), masked (flash attention / softmax over all n keys with the DSA mask)
-    or gather (top-k of the mask, get_rows of those rows, attention over them). The cache, the
+def _attention_graph(g, n: int, top_k: int | None, path: str, rng):
+    """The attention kernel of one decode step over n cached keys, given the selection: dense
+    (causal mask), masked (flash attention / softmax over all n keys with the DSA mask) or
+    gather (top-k of the mask, get_rows of those rows, attention over them). The cache, the
     absorbed query and the DSA mask (top_k random visible keys) are random graph inputs."""
-    from functools import partial
-
     import numpy as np
 
     from ggml_graph_spec.blocks import mla
-    from ggml_graph_spec.graph import F16, F32, GraphBuild
-    cfg = m.cfg
+    from ggml_graph_spec.graph import F16, F32
+    cfg = g.cfg
     d, h = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_heads
+    kv = g.input("kv", F32 if g.exact else F16, (d, n), rng.standard_normal((n, d), dtype=np.float32))
+    q = g.input("q", F32, (d, 1, h), rng.standard_normal((h, 1, d), dtype=np.float32))
+    mask = g.kq_mask
+    if top_k is not None:
+        sel = np.full((1, n), -np.inf, dtype=np.float32)
+        sel[0, rng.choice(n, top_k, replace=False)] = 0.0
+        mask = g.input("dsa_mask", F32, (n, 1), sel)
+    scale = cfg.qk_head_dim ** -0.5
+    if path == "gather" and top_k is not None:
+        return mla.attend_gathered(g, q, kv, mask, top_k, scale)
+    return (mla.attend_exact if g.exact else mla.attend_flash)(g, q, kv, mask, scale)
+
+
+@contextmanager
+def attention_kernel(m, n: int, top_k: int | None, path: str, exact: bool, rng) -> Iterator[Callable[[], None]]:
+    """A function that computes the attention kernel graph once more: allocated and given its
+    inputs on entry, so that each call times the kernel's own work only, as in the model,
+    where the cache is already in memory (uploading it would cost more than the gathered
+    kernel itself)."""
+    from functools import partial
+
+    from ggml_graph_spec.graph import GraphBuild
     m.cache.n_past = n - 1
-    make = partial(GraphBuild, cfg=cfg, cache=m.cache, n_tokens=1, exact=exact, top_k=top_k,
+    make = partial(GraphBuild, cfg=m.cfg, cache=m.cache, n_tokens=1, exact=exact, top_k=top_k,
                    dsa_path="masked" if path == "dense" else path)
     with m._exec.graph(1024, make) as g:
-        kv = g.input("kv", F32 if exact else F16, (d, n), rng.standard_normal((n, d)))
-        q = g.input("q", F32, (d, 1, h), rng.standard_normal((h, 1, d)))
-        mask = g.kq_mask
-        if top_k is not None:
-            sel = np.full((1, n), -np.inf, dtype=np.float32)
-            sel[0, rng.choice(n, top_k, replace=False)] = 0.0
-            mask = g.input("dsa_mask", F32, (n, 1), sel)
-        scale = cfg.qk_head_dim ** -0.5
-        if path == "gather" and top_k is not None:
-            out = mla.attend_gathered(g, q, kv, mask, top_k, scale)
-        else:
-            out = (mla.attend_exact if exact else mla.attend_flash)(g, q, kv, mask, scale)
-        return _time(lambda: m._exec.compute(g, [out]))
+        out = _attention_graph(g, n, top_k, path, rng)
+        m._exec.compute(g, [out])
+        yield lambda: m._exec._run(g)
 
 
 def _decode_times(models: dict, n: int, top_k: int, a: argparse.Namespace, rng) -> dict:
@@ -192,13 +209,36 @@ def _decode_times(models: dict, n: int, top_k: int, a: argparse.Namespace, rng) 
     return {key: min(v) for key, v in runs.items()}
 
 
-def _attention_times(m, n: int, k: int | None, path: str, rng) -> dict:
-    """The fastest of ATTENTION_REPEATS runs of the attention kernel alone, both kernels."""
-    runs = {"attention_fast_s": [], "attention_exact_s": []}
-    for _ in range(ATTENTION_REPEATS):  # short runs: more of them against a busy machine
-        runs["attention_fast_s"].append(_attention_time(m, n, k, path, False, rng))
-        runs["attention_exact_s"].append(_attention_time(m, n, k, path, True, rng))
-    return {key: min(v) for key, v in runs.items()}
+def _attention_times(models: dict, n: int, k: int, exact: bool, rng) -> dict:
+    """The fastest of ATTENTION_REPEATS runs of each path's attention kernel at context n, the
+    paths taking turns run by run (each on its own model's allocator, so that the three graphs
+    stay allocated together), as the decode sweep does against a busy machine."""
+    with ExitStack() as stack:
+        runs = {p: stack.enter_context(attention_kernel(models[p], n, None if p == "dense" else k, p, exact, rng))
+                for p in PATHS}
+        times: dict = {p: [] for p in PATHS}
+        for _ in range(ATTENTION_REPEATS):
+            for p, run in runs.items():
+                times[p].append(_time(run))
+    return {p: min(v) for p, v in times.items()}
+
+
+def kernel_times(models: dict, contexts: list[int]) -> dict:
+    """The attention kernel alone at each context (top_k = N / 8) for every path (models: path ->
+    a Model of the DSA GGUF), both kernels: synthetic inputs, no whole-model step, so it reaches
+    contexts a decode sweep cannot."""
+    import numpy as np
+    rng = np.random.default_rng(1)
+    out: dict = {"contexts": contexts, "top_k": [max(1, n // TOP_K_FRACTION) for n in contexts],
+                 **{p: {key: [] for key in KERNEL_TIMINGS} for p in PATHS}}
+    for n, k in zip(contexts, out["top_k"]):
+        for key, exact in (("attention_fast_s", False), ("attention_exact_s", True)):
+            for p, v in _attention_times(models, n, k, exact, rng).items():
+                out[p][key].append(v)
+        print(f"  kernel N {n:6d} top_k {k:5d}: " + "; ".join(f"{p} " + ", ".join(
+            f"{key[:-2]} {out[p][key][-1] * 1e3:.2f} ms" for key in KERNEL_TIMINGS) for p in PATHS),
+              file=sys.stderr, flush=True)
+    return out
 
 
 def child_contexts(a: argparse.Namespace) -> dict:
@@ -225,12 +265,15 @@ def child_contexts(a: argparse.Namespace) -> dict:
         for path in PATHS:
             for exact in (False, True):
                 out[path]["decode_exact_s" if exact else "decode_s"].append(decode[path, exact])
-            for key, v in _attention_times(models[path, False], n, None if path == "dense" else top_k,
-                                           path, rng).items():
-                out[path][key].append(v)
             print(f"  N {n:6d} top_k {top_k:5d} {path:6s}: " + ", ".join(
                 f"{key[:-2]} {out[path][key][-1] * 1e3:7.2f} ms" for key in TIMINGS), file=sys.stderr, flush=True)
+    out["kernel"] = kernel_times({p: models[p, False] for p in PATHS}, kernel_contexts(a))
     return out
+
+
+def kernel_contexts(a: argparse.Namespace) -> list[int]:
+    """Where the attention kernel alone is timed: the decode sweep's contexts and --kernel-contexts."""
+    return sorted(set(a.contexts) | set(a.kernel_contexts))
 
 
 OP_PROFILE_RUNS = 3
@@ -258,8 +301,33 @@ def child_ops(a: argparse.Namespace) -> dict:
                 for _ in range(OP_PROFILE_RUNS):
                     m.cache.n_past = n
                     m.eval([1])
-            ops = op_profile.per_op(records)
-            out[p].append({"nodes": len(records[0]), "total_s": sum(ops.values()), "ops_s": ops})
+            out[p].append(_op_summary(records))
+    out["kernel"] = kernel_ops(models["masked"], kernel_contexts(a))
+    return out
+
+
+def _op_summary(records: list) -> dict:
+    from bench import op_profile
+    ops = op_profile.per_op(records)
+    return {"nodes": len(records[0]), "total_s": sum(ops.values()), "ops_s": ops}
+
+
+def kernel_ops(m, contexts: list[int]) -> dict:
+    """Per-op CPU time (one thread) of the fast attention kernel alone, masked against gather, at
+    each context: which ops the gathered kernel's time goes to as the context grows."""
+    import numpy as np
+
+    from bench import op_profile
+    rng = np.random.default_rng(2)
+    out: dict = {"contexts": contexts, "masked": [], "gather": []}
+    for n in contexts:
+        for p in ("masked", "gather"):
+            records: list = []
+            with attention_kernel(m, n, max(1, n // TOP_K_FRACTION), p, False, rng) as run:
+                with op_profile.profiling(records):
+                    for _ in range(OP_PROFILE_RUNS):
+                        run()
+            out[p].append(_op_summary(records))
     return out
 
 
@@ -270,7 +338,8 @@ CHILDREN = {"ours": child_ours, "ours-repack": child_ours, "llama": child_llama,
 def run_child(kind: str, gguf: Path, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--gguf", str(gguf),
            "--threads", str(a.threads), "--prompt", str(a.prompt), "--gen", str(a.gen),
-           "--repeats", str(a.repeats), "--contexts", *map(str, a.contexts)]
+           "--repeats", str(a.repeats), "--contexts", *map(str, a.contexts),
+           "--kernel-contexts", *map(str, a.kernel_contexts)]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -319,11 +388,11 @@ def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     return {"model_name": info.get("model name"), "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
-def print_ops(ops: dict, top: int = 8) -> None:
-    """Per-op CPU time of a decode step, masked against gather, the ops that differ most first."""
+def print_ops(ops: dict, what: str = "one decode step", top: int = 8) -> None:
+    """Per-op CPU time of `what`, masked against gather, the ops that differ most first."""
     for i, n in enumerate(ops["contexts"]):
         m, g = ops["masked"][i], ops["gather"][i]
-        print(f"N {n:6d} per-op CPU time of one decode step (1 thread): masked {m['total_s'] * 1e3:.1f} ms "
+        print(f"N {n:6d} per-op CPU time of {what} (1 thread): masked {m['total_s'] * 1e3:.1f} ms "
               f"({m['nodes']} nodes), gather {g['total_s'] * 1e3:.1f} ms ({g['nodes']} nodes)")
         names = set(m["ops_s"]) | set(g["ops_s"])
         diff = sorted(names, key=lambda op: -abs(g["ops_s"].get(op, 0) - m["ops_s"].get(op, 0)))
@@ -346,9 +415,10 @@ def plot(ctx: dict, path: Path) -> None:
               ("attention_fast_s", "attention kernel per token, fast path"),
               ("attention_exact_s", "attention kernel per token, exact path"))
     for ax, (key, title) in zip(axes, panels):
+        series = ctx if key in TIMINGS else ctx["kernel"]
         for p in PATHS:
             label = p if p == "dense" else f"{p} DSA (top_k = N/{TOP_K_FRACTION})"
-            ax.plot(ctx["contexts"], [v * 1e3 for v in ctx[p][key]], marker="o", label=label)
+            ax.plot(series["contexts"], [v * 1e3 for v in series[p][key]], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context length N (tokens)")
@@ -371,14 +441,26 @@ def report(result: dict) -> None:
           f"tok/s ({s['repack_decode_ratio']:.2f}x), llama.cpp {llama['tg_tok_s']:.2f} tok/s (1.00x)")
     print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, repack {repack['peak_rss_mib']:.0f} MiB, "
           f"llama.cpp {llama['peak_rss_mib']:.0f} MiB")
-    for n, k, i in zip(ctx["contexts"], ctx["top_k"], range(len(ctx["contexts"]))):
-        ratios = {key: ctx["gather"][key][i] / ctx["masked"][key][i] for key in TIMINGS}
-        print(f"N {n:6d} top_k {k:5d}: gather/masked decode fast {ratios['decode_s']:.2f}, exact "
-              f"{ratios['decode_exact_s']:.2f}; attention fast {ratios['attention_fast_s']:.2f}, exact "
-              f"{ratios['attention_exact_s']:.2f}")
+    for i, (n, k) in enumerate(zip(ctx["contexts"], ctx["top_k"])):
+        print(f"N {n:6d} top_k {k:5d}: gather/masked decode fast {ctx['gather']['decode_s'][i] / ctx['masked']['decode_s'][i]:.2f}, "
+              f"exact {ctx['gather']['decode_exact_s'][i] / ctx['masked']['decode_exact_s'][i]:.2f}")
+    print_kernel(ctx["kernel"])
     for key, n in result["crossover_context"].items():
         print(f"crossover context ({key}: gather faster than masked from here on): {n}")
     print_ops(result["decode_ops"])
+    print_ops(result["decode_ops"]["kernel"], "the fast attention kernel")
+
+
+def print_kernel(kernel: dict) -> None:
+    """The attention kernel alone, gathered against masked, by context; the longest one against the 1/3 target."""
+    ratio = {key: [g / m for g, m in zip(kernel["gather"][key], kernel["masked"][key])] for key in KERNEL_TIMINGS}
+    for i, (n, k) in enumerate(zip(kernel["contexts"], kernel["top_k"])):
+        print(f"N {n:6d} top_k {k:5d}: attention kernel ms, fast: masked {kernel['masked']['attention_fast_s'][i] * 1e3:.2f}, "
+              f"gather {kernel['gather']['attention_fast_s'][i] * 1e3:.2f} ({ratio['attention_fast_s'][i]:.2f}); exact: "
+              f"masked {kernel['masked']['attention_exact_s'][i] * 1e3:.2f}, gather "
+              f"{kernel['gather']['attention_exact_s'][i] * 1e3:.2f} ({ratio['attention_exact_s'][i]:.2f})")
+    print(f"longest context {kernel['contexts'][-1]}: gathered/masked attention kernel fast "
+          f"{ratio['attention_fast_s'][-1]:.2f}, exact {ratio['attention_exact_s'][-1]:.2f} (target <= 0.33)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per process (the fastest counts)")
     p.add_argument("--rounds", type=int, default=3, help="processes per runtime for the speed comparison")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--kernel-contexts", type=int, nargs="+", default=[32768, 65536, 131072],
+                   help="further contexts for the attention kernel alone (synthetic inputs: seconds, not a decode sweep)")
     p.add_argument("--json", type=Path, default=RESULTS / "graph.json")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
@@ -421,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                   "decode_ratio": ours["tg_tok_s"] / llama["tg_tok_s"], "pp_ratio": ours["pp_tok_s"] / llama["pp_tok_s"],
                   "repack_decode_ratio": repack["tg_tok_s"] / llama["tg_tok_s"],
                   "repack_pp_ratio": repack["pp_tok_s"] / llama["pp_tok_s"]},
-        "contexts": ctx, "crossover_context": {key: crossover(ctx, key) for key in TIMINGS}, "decode_ops": ops,
+        "contexts": ctx, "crossover_context": {**{key: crossover(ctx, key) for key in TIMINGS},
+                                                        **{key: crossover(ctx["kernel"], key) for key in KERNEL_TIMINGS}}, "decode_ops": ops,
     }
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=1) + "\n")

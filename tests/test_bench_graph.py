@@ -56,3 +56,21 @@ def test_per_op_profile_computes_the_same_logits(k31pro_tiny_gguf, k31pro_tiny_d
     ops = op_profile.per_op(records[1:])  # the decode step (one graph per eval)
     assert "SOFT_MAX" in ops and "MUL_MAT" in ops  # the gathered DSA attention (the default) and all(v >= 0 for v in ops.values())
     assert list(ops.values()) == sorted(ops.values(), reverse=True)
+
+
+def test_kernel_times_cover_every_path_and_kernel(k31pro_tiny_gguf):
+    from bench.graph import KERNEL_TIMINGS, PATHS, kernel_ops, kernel_times
+    models = {p: Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, n_threads=1, dsa=p != "dense",
+                            dsa_path="gather" if p == "gather" else "masked") for p in PATHS}
+    try:
+        got = kernel_times(models, [16, 64])
+        ops = kernel_ops(models["masked"], [64])
+    finally:
+        for m in models.values():
+            m.close()
+    assert got["top_k"] == [2, 8]
+    for p in PATHS:
+        for key in KERNEL_TIMINGS:
+            assert len(got[p][key]) == 2 and all(v > 0 for v in got[p][key])
+    assert "FLASH_ATTN_EXT" in ops["masked"][0]["ops_s"] and "FLASH_ATTN_EXT" not in ops["gather"][0]["ops_s"]
+    assert {"GET_ROWS", "MUL_MAT", "SOFT_MAX"} <= set(ops["gather"][0]["ops_s"])
