@@ -27,7 +27,7 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
            step does not depend on what the rows hold. The attention kernel is also timed at
            --kernel-contexts (default 32k-128k: synthetic inputs, seconds each), and only its
            graph compute counts (allocated and given its inputs first: in the model the cache
-           is already there). Timings are the minimum of --repeats runs (decode) or 7 runs
+           is already there). Timings are the minimum of --sweep-repeats runs (decode) or 7 runs
            (attention kernel) (the machine may be shared; the JSON records the load average).
            The models, and the paths' kernels, take turns run by run, so that a busy period
            slows all of them alike.
@@ -194,7 +194,7 @@ def attention_kernel(m, n: int, top_k: int | None, path: str, exact: bool, rng) 
 
 
 def _decode_times(models: dict, n: int, top_k: int, a: argparse.Namespace, rng) -> dict:
-    """The fastest of `repeats` whole-model decode steps at context n for every (path, exact)
+    """The fastest of `sweep_repeats` whole-model decode steps at context n for every (path, exact)
     model, the models taking turns run by run: a busy period of a shared machine then slows
     every path alike instead of whichever one it happened to fall on."""
     for (path, _), m in models.items():
@@ -202,7 +202,7 @@ def _decode_times(models: dict, n: int, top_k: int, a: argparse.Namespace, rng) 
             m.top_k = top_k
         fill_caches(m, n, rng)
     runs: dict = {key: [] for key in models}
-    for _ in range(a.repeats):
+    for _ in range(a.sweep_repeats):
         for key, m in models.items():
             m.cache.n_past = n
             runs[key].append(_time(lambda: m.eval([1])))
@@ -338,7 +338,7 @@ CHILDREN = {"ours": child_ours, "ours-repack": child_ours, "llama": child_llama,
 def run_child(kind: str, gguf: Path, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--gguf", str(gguf),
            "--threads", str(a.threads), "--prompt", str(a.prompt), "--gen", str(a.gen),
-           "--repeats", str(a.repeats), "--contexts", *map(str, a.contexts),
+           "--repeats", str(a.repeats), "--sweep-repeats", str(a.sweep_repeats), "--contexts", *map(str, a.contexts),
            "--kernel-contexts", *map(str, a.kernel_contexts)]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -471,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens (one batch)")
     p.add_argument("--gen", type=int, default=8, help="decoded tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per process (the fastest counts)")
+    # The paths' decode steps differ by the attention kernel, 0.5-3 ms of a ~220 ms step below
+    # 16k: more runs per path than the speed comparison's, so that the fastest of them is not a
+    # busy period's.
+    p.add_argument("--sweep-repeats", type=int, default=7, help="whole-model decode runs per path and context")
     p.add_argument("--rounds", type=int, default=3, help="processes per runtime for the speed comparison")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
     p.add_argument("--kernel-contexts", type=int, nargs="+", default=[32768, 65536, 131072],
