@@ -139,6 +139,13 @@ class GraphBuild:
         self._label(expand=False)
         return self._segments.get(ctypes.addressof(t.contents))
 
+    def segments_by_address(self) -> dict[int, Hashable]:
+        """segment_of for every tensor at once: tensor address -> segment (empty without segments)."""
+        if self._segments is None:
+            return {}
+        self._label(expand=False)
+        return self._segments
+
     def _label(self, expand: bool) -> None:
         # ggml keeps a context's tensors in creation order: label the ones made since the last call.
         t = ggml.ggml_get_next_tensor(self.ctx, self._seen) if self._seen else ggml.ggml_get_first_tensor(self.ctx)

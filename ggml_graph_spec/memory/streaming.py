@@ -224,13 +224,13 @@ class StreamingExecutor(Executor):
             self.plan_ = self._make_plan()
         bound, self._bound = self._bound, {}
         streamed, experts = set(self.plan_.streamed), set(self.plan_.expert_layers)
-        views = _views(g)
+        runs, views, nodes = _scan(g)
         self.tokens += g.n_tokens
-        for segment, i0, i1 in _runs(g):
+        for segment, i0, i1 in runs:
             if segment in streamed:
                 self._bring_in(views, segment)
             if segment in bound:
-                status = self._run_moe(g, views, segment, bound[segment], i0, i1)
+                status = self._run_moe(g, (views, nodes), segment, bound[segment], (i0, i1))
             else:
                 status = self._compute(g, i0, i1)
                 if segment in experts:  # built before the plan: the mapped experts were used
@@ -245,9 +245,10 @@ class StreamingExecutor(Executor):
         view = ggml.ggml_graph_view(g.gf, i0, i1)
         return ggml.ggml_backend_graph_compute(self.backend, ctypes.pointer(view))
 
-    def _run_moe(self, g: GraphBuild, views: dict, layer: int, b: _Bound, i0: int, i1: int) -> int:
+    def _run_moe(self, g: GraphBuild, scan: tuple, layer: int, b: _Bound, run: tuple[int, int]) -> int:
         """The layer up to its expert matmuls, the selected experts brought in, then the rest."""
-        split = _first_reader(g, b.reads(), i0, i1)
+        (views, nodes), (i0, i1) = scan, run
+        split = _first_reader(nodes, b.reads(), i0, i1)
         status = self._compute(g, i0, split)
         if status != ggml.GGML_STATUS_SUCCESS:
             return status
@@ -334,11 +335,13 @@ def _point(views: dict[int, list], t, addr: int) -> None:
         v.data = addr + v.view_offs
 
 
-def _first_reader(g: GraphBuild, tensors: set[int], i0: int, i1: int) -> int:
-    """The first node in i0..i1 with a source among `tensors`."""
+_SRC = ggml.ggml_tensor.src.offset  # the struct's src pointers, read as integers (one ctypes read)
+
+
+def _first_reader(nodes: list[int], tensors: set[int], i0: int, i1: int) -> int:
+    """The first node in i0..i1 (addresses `nodes`) with a source among `tensors`."""
     for i in range(i0, i1):
-        src = ggml.ggml_graph_node(g.gf, i).contents.src
-        if any(s and ctypes.addressof(s.contents) in tensors for s in src):
+        if any(s in tensors for s in (ctypes.c_void_p * ggml.GGML_MAX_SRC).from_address(nodes[i] + _SRC)):
             return i
     return i1
 
@@ -347,24 +350,22 @@ def _span(layers: tuple[int, ...]) -> str:
     return f"{layers[0]}..{layers[-1]}" if layers else "none"
 
 
-def _runs(g: GraphBuild):
-    """(segment, first node, end) of each run of consecutive nodes of one segment."""
-    n = ggml.ggml_graph_n_nodes(g.gf)
+def _scan(g: GraphBuild) -> tuple[list[tuple], dict[int, list], list[int]]:
+    """One pass over the nodes (per graph: it costs Python time per node): the (segment, first
+    node, end) of each run of consecutive nodes of one segment; the graph's views of tensors it
+    does not compute (weights, the cache's), by the viewed tensor's address; each node's address."""
+    segments = g.segments_by_address()
     runs: list[list] = []
-    for i in range(n):
-        seg = g.segment_of(ggml.ggml_graph_node(g.gf, i))
+    views: dict[int, list] = {}
+    nodes: list[int] = []
+    for i in range(ggml.ggml_graph_n_nodes(g.gf)):
+        t = ggml.ggml_graph_node(g.gf, i).contents
+        nodes.append(ctypes.addressof(t))
+        seg = segments.get(nodes[-1])
         if runs and (seg is None or seg == runs[-1][0]):
             runs[-1][2] = i + 1
         else:
             runs.append([seg, i, i + 1])
-    return [tuple(r) for r in runs]
-
-
-def _views(g: GraphBuild) -> dict[int, list]:
-    """The graph's views of tensors it does not compute (weights), by the viewed tensor's address."""
-    out: dict[int, list] = {}
-    for i in range(ggml.ggml_graph_n_nodes(g.gf)):
-        t = ggml.ggml_graph_node(g.gf, i).contents
         if t.view_src and t.view_src.contents.op == ggml.GGML_OP_NONE:
-            out.setdefault(ctypes.addressof(t.view_src.contents), []).append(t)
-    return out
+            views.setdefault(ctypes.addressof(t.view_src.contents), []).append(t)
+    return [tuple(r) for r in runs], views, nodes
