@@ -302,20 +302,22 @@ class StreamingExecutor(Executor):
         if p is None:
             return [("mem budget", f"{self.budget} bytes (plan made at the first graph)")]
         what = "trunks of layers" if p.expert_layers else "layers"
-        rows = [("mem budget", f"{self.budget} bytes, resident {p.resident} (fixed {p.fixed})"),
+        return [("mem budget", f"{self.budget} bytes, resident {p.resident} (fixed {p.fixed})"),
                 ("mem pinned", f"{what} {_span(p.pinned)} ({p.pinned_bytes} bytes, "
                                f"mlock {'on' if self.mlocked else 'refused'})"),
                 ("mem streamed", f"{what} {_span(p.streamed)}: {p.streamed_bytes} bytes read per token, "
-                                 f"{N_SLOTS} slots of {p.slot_bytes}")]
-        if self.cache is not None:
-            c = self.cache
-            rows.append(("mem experts", f"layers {_span(p.expert_layers)}: cache of {c.entries} experts "
-                                        f"({c.nbytes} bytes), hits {c.hits}/{c.hits + c.misses} "
-                                        f"({100 * c.hit_rate():.1f}%), at most {self._used * len(p.expert_layers)} "
-                                        f"experts of {p.expert_bytes} bytes read per token"))
-            rows.append(("mem read", f"{self.read_per_token():.0f} bytes read per token so far "
-                                     f"({self.tokens} tokens, {self.whole_reads} layer(s) of experts used whole)"))
-        return rows
+                                 f"{N_SLOTS} slots of {p.slot_bytes}")] + self.stats()
+
+    def stats(self) -> list[tuple[str, str]]:
+        """print_info rows of the expert cache so far (also printed at the end of a run)."""
+        p, c = self.plan_, self.cache
+        if p is None or c is None:
+            return []
+        return [("mem experts", f"layers {_span(p.expert_layers)}: cache of {c.entries} experts ({c.nbytes} bytes), "
+                                f"hits {c.hits}/{c.hits + c.misses} ({100 * c.hit_rate():.1f}%), at most "
+                                f"{self._used * len(p.expert_layers)} experts of {p.expert_bytes} bytes read per token"),
+                ("mem read", f"{self.read_per_token():.0f} bytes read per token so far ({self.tokens} tokens, "
+                             f"{self.whole_reads} layer(s) of experts used whole)")]
 
     def free(self) -> None:
         for f in list(self._pending.values()):
