@@ -244,6 +244,7 @@ class Executor:
 
     segments = False  # GraphBuild(segments=...): whether compute needs the tensors' segments
     bind_experts = None  # GraphBuild(bind_experts=...): a hook placing the routed experts (None: in place)
+    wants_plan = False  # True: plan a graph built for the purpose before the next one is built and computed
 
     def __init__(self, n_threads: int):
         self.backend = ggml.ggml_backend_cpu_init()

@@ -10,9 +10,9 @@ the first node that reads the experts: the first part computes the router's top-
 executor reads them back, has the expert cache hold those experts (reading the missed ones) and
 writes their cache entries into the ids input of the expert matmuls (the router's own ids, which
 the gating weights' get_rows read, are left as they are); the second part computes the experts
-from the cache. When a batch selects more experts than the cache holds (or in the first graph,
-built before the plan), the layer's mapped expert stacks are used whole and their pages dropped
-after. Reads are large and sequential, and the pages they went through are dropped
+from the cache. When a batch selects more experts than the cache holds, the layer's mapped expert
+stacks are used whole and their pages dropped after. The plan is made before the first graph is
+built, from a graph planned for the purpose (`wants_plan`): its compute buffer is part of it. Reads are large and sequential, and the pages they went through are dropped
 (POSIX_FADV_DONTNEED) so the page cache holds none of the streamed bytes and the pinned prefix
 keeps its pages (mlock, best effort).
 """
@@ -32,7 +32,7 @@ import numpy as np
 from gguf_arch.arch.tensors import ROUTED_EXPERTS
 
 from ..graph import I32, Executor, GraphBuild
-from .budget import N_SLOTS, BudgetPlan, ExpertSizes, plan_budget
+from .budget import N_SLOTS, BudgetError, BudgetPlan, ExpertSizes, plan_budget
 from .experts import ExpertCache, ExpertStack, pread_into
 
 _ALIGN = 64  # slot offsets: above ggml's TENSOR_ALIGNMENT (32)
@@ -190,10 +190,25 @@ class StreamingExecutor(Executor):
     def attach(self, cache_bytes: int) -> None:
         self._cache_bytes = cache_bytes
 
+    @property
+    def wants_plan(self) -> bool:
+        """Until the budget's plan exists: it needs a planned graph's compute buffer, and the
+        graph to compute needs the plan (which layers' experts come from the cache)."""
+        return self.plan_ is None
+
+    def _plan(self, g: GraphBuild) -> None:
+        super()._plan(g)
+        if self.plan_ is None:
+            self.plan_ = self._make_plan()
+
     def _make_plan(self) -> BudgetPlan:
         compute = ggml.ggml_gallocr_get_buffer_size(self._galloc, 0)
+        sizes = self.files.expert_sizes(self._used)
+        if sizes is None and self.files.experts:
+            raise BudgetError("--mem-budget: the MoE layers' routed experts differ in shape; one expert cache "
+                              "cannot hold them")
         plan = plan_budget(self.budget, self.files.outside + self._cache_bytes + compute, self.files.layer_bytes(),
-                           self.files.expert_sizes(self._used))
+                           sizes)
         self._slots = [np.empty(plan.slot_bytes + _ALIGN, np.uint8) for _ in range(N_SLOTS * bool(plan.streamed))]
         self._slots = [s[(-s.ctypes.data) % _ALIGN:][:plan.slot_bytes] for s in self._slots]
         if plan.cache_entries:
@@ -233,7 +248,7 @@ class StreamingExecutor(Executor):
                 status = self._run_moe(g, (views, nodes), segment, bound[segment], (i0, i1))
             else:
                 status = self._compute(g, i0, i1)
-                if segment in experts:  # built before the plan: the mapped experts were used
+                if segment in experts:  # a graph built before the plan (Executor.plan): the mapped experts
                     self._whole(segment)
             if status != ggml.GGML_STATUS_SUCCESS:
                 break
