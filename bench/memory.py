@@ -33,6 +33,7 @@ import convert_kimi_k3  # noqa: E402
 from gguf_arch.synth.cli import main as synth_main  # noqa: E402
 from ggml_graph_spec.memory.budget import ExpertSizes, plan_budget  # noqa: E402
 from ggml_graph_spec.memory.doctor import read_speed  # noqa: E402
+from plotting import pyplot  # noqa: E402  (bench/, this script's folder)
 
 CHILD = """
 import json, sys, time, numpy as np
@@ -107,14 +108,9 @@ def projection(speed: float) -> list[dict]:
 
 
 def plot(out: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"plot skipped: matplotlib is not installed (pip install -e '.[bench]'); {path.name} not written",
-              file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     runs = out["runs"]
     x = [int(r["budget"]) / 2**20 if r["budget"] != "none" else out["gguf_bytes"] / 2**20 for r in runs]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
