@@ -9,7 +9,8 @@ work, is what a streamed token costs), or the one given with --model. Per budget
 of the GGUF, unlimited), in a child process: greedy decode of N tokens after a short prompt;
 s/token of the decode; bytes read per token from the child's /proc/self/io `read_bytes` (what
 reached the disk: the streamer drops the pages it read); the expert cache's hit rate; the disk's
-sequential read speed measured in the same run (uncached, kimi-k3-doctor's read); and
+sequential read speed measured in the same run (uncached, kimi-k3-doctor's read; before and after
+the runs, the faster counts); and
 ratio_to_disk_bound = s/token / (bytes read per token / read speed). The tokens of every budget
 are compared with the unlimited run's. Also a projection for the real K3.1-Pro from the issue's
 sizes: whole layers streamed (every expert of a streamed layer read) against the plan of
@@ -137,15 +138,19 @@ def main() -> int:
     a.workdir.mkdir(parents=True, exist_ok=True)
     gguf = a.model or _model(a.workdir)
     size = gguf.stat().st_size
-    speed = read_speed([str(gguf)])
+    before = read_speed([str(gguf)])
     runs = [_run(gguf, b, a.n, a.threads) for b in ("none", str(size // 6), str(size // 3), str(size // 2))]
+    # on a shared machine the disk's speed moves: the faster of the two readings, the stricter bound
+    speeds = [before, read_speed([str(gguf)])]
+    speed = max(speeds)
     for r in runs:
         r["identical_tokens"] = r["tokens"] == runs[0]["tokens"]
         bound = r["bytes_read_per_token"] / speed
-        r["ratio_to_disk_bound"] = r["s_per_token"] / bound if bound else None
-    out = {"gguf_bytes": size, "model": "generated: kimi-k3-synth " + " ".join(SYNTH) if a.model is None else
-           gguf.name, "read_speed_bytes_per_s": speed, "threads": a.threads, "runs": runs,
-           "projection_k31pro_q8_0": projection(speed)}
+        # unlimited: the weights are in memory after the first graph; a few stray pages are no bound
+        r["ratio_to_disk_bound"] = r["s_per_token"] / bound if bound and r["budget"] != "none" else None
+    model = "generated: kimi-k3-synth " + " ".join(SYNTH) if a.model is None else gguf.name
+    out = {"gguf_bytes": size, "model": model, "read_speed_bytes_per_s": speed, "read_speeds_before_after": speeds,
+           "threads": a.threads, "runs": runs, "projection_k31pro_q8_0": projection(speed)}
     a.json.write_text(json.dumps(out, indent=1) + "\n")
     plot(out, a.json.with_suffix(".png"))
     print(json.dumps(out, indent=1))
