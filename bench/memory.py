@@ -112,8 +112,10 @@ def plot(out: dict, path: Path) -> None:
     plt = pyplot(path)
     if plt is None:
         return
-    runs = out["runs"]
-    x = [int(r["budget"]) / 2**20 if r["budget"] != "none" else out["gguf_bytes"] / 2**20 for r in runs]
+    def mib(r: dict) -> float:  # unlimited is drawn at the GGUF's size
+        return (out["gguf_bytes"] if r["budget"] == "none" else int(r["budget"])) / 2**20
+    runs = sorted(out["runs"], key=mib)
+    x = [mib(r) for r in runs]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     ax.plot(x, [r["s_per_token"] for r in runs], marker="o", label="measured s/token")
     bound = [r["bytes_read_per_token"] / out["read_speed_bytes_per_s"] for r in runs]
