@@ -83,6 +83,7 @@ class ExpertCache:
         self.bases = [base + o for o in offsets]
         self._where: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * entries
+        self._free = list(range(entries - 1, -1, -1))  # the empty entries, popped lowest first
         self.uses: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], int] = {}
         self._tick = 0
@@ -123,12 +124,14 @@ class ExpertCache:
         return np.array([self._where[k] for k in keys], dtype=np.int32)
 
     def _victims(self, n: int, keep: set) -> list[int]:
-        """n entries to overwrite: empty ones first, then the least used (module docstring)."""
-        def rank(i: int):
-            k = self._owner[i]
-            return (-1, 0, 0, i) if k is None else (self.uses[k], self._last[k], *k)
-        free = (i for i in range(self.entries) if self._owner[i] not in keep)
-        return heapq.nsmallest(n, free, key=rank)
+        """n entries to overwrite: empty ones first (lowest first), then the least used (module
+        docstring; the scan over the held entries only once the cache is full)."""
+        empty = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        if len(empty) == n:
+            return empty
+        held = (i for i in range(self.entries) if self._owner[i] is not None and self._owner[i] not in keep)
+        return empty + heapq.nsmallest(n - len(empty), held, key=lambda i: (self.uses[self._owner[i]],
+                                                                             self._last[self._owner[i]], *self._owner[i]))
 
     def _read(self, stacks: list[ExpertStack], jobs: list[tuple[int, int]]) -> None:
         reads = [(s.fd, s.path, base + entry * s.stride, s.stride, s.file_offset + e * s.stride)

@@ -89,6 +89,13 @@ def test_the_least_used_is_evicted_ties_to_the_least_recent(stacks):
         assert {(0, 2), (0, 3)} == set(c._where)
     finally:
         c.free()
+    c = _cache(3)
+    try:  # the last empty entry and one held: 1 and 2 used as often and as lately, the lower goes
+        c.place(0, s[0], np.array([1, 2]))
+        c.place(0, s[0], np.array([3, 4]))
+        assert {(0, 2), (0, 3), (0, 4)} == set(c._where) and c.misses == 4
+    finally:
+        c.free()
 
 
 def test_a_short_read_is_one_clean_error(stacks, tmp_path):
