@@ -60,6 +60,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from plotting import pyplot  # bench/, this script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 SYNTH = ["--preset", "large", "--experts", "8"]
@@ -401,14 +403,9 @@ def print_ops(ops: dict, what: str = "one decode step", top: int = 8) -> None:
 
 
 def plot(ctx: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"plot skipped: matplotlib is not installed (pip install -e '.[bench]'); {path.name} not written",
-              file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     panels = (("decode_s", "decode time per token (whole model, fast path)"),
               ("decode_exact_s", "decode time per token (whole model, exact path)"),

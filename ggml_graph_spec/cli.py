@@ -332,6 +332,8 @@ def run(args: argparse.Namespace) -> None:
         except KeyboardInterrupt:  # Ctrl-C at a conversation's prompt, or during perplexity
             interrupted = True
         _log(timings.lines(), prefix="kimi_k3_perf: ")
+        if isinstance(model.executor, StreamingExecutor):  # the expert cache's hits over the whole run
+            _log([f"{k}: {v}" for k, v in model.executor.stats()], prefix="kimi_k3_perf: ")
         if interrupted:  # llama-cli prints the timings, then exits 130
             raise KeyboardInterrupt
     finally:

@@ -68,7 +68,8 @@ class GraphBuild:
     """
 
     def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
-                 top_k: int | None, wants: Iterable[str] = (), dsa_path: str = "masked", segments: bool = False):
+                 top_k: int | None, wants: Iterable[str] = (), dsa_path: str = "masked", segments: bool = False,
+                 bind_experts: Callable | None = None):
         self.ctx = ctx
         self.gf = gf
         self.cfg = cfg
@@ -77,6 +78,8 @@ class GraphBuild:
         self.n_past = cache.n_past
         self.n_kv = self.n_past + n_tokens
         self.exact = exact
+        # (g, layer, ids, expert stacks) -> (ids, stacks) the expert matmuls read: Executor.bind_experts
+        self.bind_experts = bind_experts
         self._top_k = top_k
         if dsa_path not in DSA_PATHS:
             raise ValueError(f"dsa_path must be one of {DSA_PATHS}, got {dsa_path!r}")
@@ -135,6 +138,13 @@ class GraphBuild:
             return None
         self._label(expand=False)
         return self._segments.get(ctypes.addressof(t.contents))
+
+    def segments_by_address(self) -> dict[int, Hashable]:
+        """segment_of for every tensor at once: tensor address -> segment (empty without segments)."""
+        if self._segments is None:
+            return {}
+        self._label(expand=False)
+        return self._segments
 
     def _label(self, expand: bool) -> None:
         # ggml keeps a context's tensors in creation order: label the ones made since the last call.
@@ -233,6 +243,8 @@ class Executor:
     """
 
     segments = False  # GraphBuild(segments=...): whether compute needs the tensors' segments
+    bind_experts = None  # GraphBuild(bind_experts=...): a hook placing the routed experts (None: in place)
+    wants_plan = False  # True: plan a graph built for the purpose before the next one is built and computed
 
     def __init__(self, n_threads: int):
         self.backend = ggml.ggml_backend_cpu_init()

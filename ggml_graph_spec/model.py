@@ -300,9 +300,10 @@ class Model:
 
     def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
-                       top_k=self.top_k, wants=want, dsa_path=self.dsa_path, segments=self._exec.segments)
+                       top_k=self.top_k, wants=want, dsa_path=self.dsa_path, segments=self._exec.segments,
+                       bind_experts=self._exec.bind_experts)
         size = self._graph_size + (taps.NODES_PER_LAYER * self.cfg.num_layers if want & taps.WANTS else 0)
-        if want:  # extra outputs: a fresh memory plan (Executor.plan says why)
+        if want or self._exec.wants_plan:  # a fresh memory plan (Executor.plan and wants_plan say why)
             with self._exec.graph(size, make) as g:
                 self._exec.plan(g, [build_forward(g, self.weights, g.input("tokens", I32, (len(ids),), ids))])
         with self._exec.graph(size, make) as g:

@@ -79,12 +79,14 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
     """
     c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
     names = (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)
-    routed_ids = ids
+    routed_ids, stacks = ids, [w(n) for n in names]
+    if g.bind_experts is not None:  # a memory budget's executor places the experts (memory/streaming.py)
+        ids, stacks = g.bind_experts(g, w.layer, ids, stacks)
     if g.exact:
-        gate_b, up_b, down_b = (_dequantized_experts(g, w(n), ids) for n in names)
+        gate_b, up_b, down_b = (_dequantized_experts(g, s, ids) for s in stacks)
         ids = g.input("expert_slots", I32, (k, T), np.arange(k * T, dtype=np.int32).reshape(T, k))
     else:
-        gate_b, up_b, down_b = (w(n) for n in names)
+        gate_b, up_b, down_b = stacks
     z3 = ggml.ggml_reshape_3d(c, z, z.contents.ne[0], 1, T)
     gate = ggml.ggml_mul_mat_id(c, gate_b, z3, ids)  # [I, k, T]
     up = ggml.ggml_mul_mat_id(c, up_b, z3, ids)

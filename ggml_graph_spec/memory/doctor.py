@@ -5,6 +5,8 @@ the GGUF's disk measured with a short bounded read (its pages dropped first, so 
 the page cache is timed), the trunk and expert bytes, and per preset what --mem-budget would
 read per token and the s/token that read alone costs at that speed. The prediction leaves out
 the caches and compute buffer (they depend on -c): the runner's summary line gives the exact plan.
+Bytes per token are the streamed trunks plus the experts a token selects that the expert cache
+misses, predicted as if the router chose every expert equally often (BudgetPlan).
 """
 from __future__ import annotations
 
@@ -66,10 +68,9 @@ def report(path: Path) -> list[str]:
     weights = load_gguf(path)
     try:
         files = LayerFiles(weights)
-        layers = files.layer_bytes()
+        layers, experts, outside = files.layer_bytes(), files.expert_bytes(), files.outside
+        sizes = files.expert_sizes(weights.cfg.num_experts_used)
         paths = [p for p, _, _ in weights.mapped_files]
-        experts = sum(p.nbytes for ps in files.layers.values() for p in ps if b"_exps" in _name(p.tensor))
-        outside = files.outside
         files.close()
     finally:
         weights.close()
@@ -80,24 +81,22 @@ def report(path: Path) -> list[str]:
              (f", cgroup limit {limit}" if limit else ", no cgroup limit"),
              f"free disk    {shutil.disk_usage(Path(path).resolve().parent).free} bytes",
              f"read speed   {speed / 1e6:.1f} MB/s (sequential, uncached, {len(paths)} file(s))",
-             f"weights      trunk {sum(layers) + outside - experts} bytes, experts {experts} bytes"]
+             f"weights      trunk {sum(layers) + outside} bytes, experts {experts} bytes"]
     best = None
     for name, budget in PRESETS.items():
         try:
-            p = plan_budget(budget, outside, layers)
-            lines.append(f"preset {name:<12} {budget} bytes: pins {len(p.pinned)}/{len(layers)} layers, reads "
-                         f"{p.streamed_bytes} bytes/token, {p.streamed_bytes / speed:.3f} s/token at that speed")
+            p = plan_budget(budget, outside, layers, sizes)
+            b = p.predicted_bytes_per_token
+            lines.append(f"preset {name:<12} {budget} bytes: pins {len(p.pinned)}/{len(layers)} trunks, "
+                         f"expert cache {p.cache_entries} experts, reads ~{b:.0f} bytes/token, "
+                         f"{b / speed:.3f} s/token at that speed")
             best = name if budget <= usable else best
         except BudgetError:
             lines.append(f"preset {name:<12} {budget} bytes: too small for this model")
-    fits = sum(layers) + outside <= usable
+    fits = sum(layers) + outside + experts <= usable
     lines.append(f"run: kimi-k3-cli -m {path}" + ("" if fits or best is None else f" --mem-budget {best}")
                  + ("  (the whole model fits in memory)" if fits else ""))
     return lines
-
-
-def _name(t) -> bytes:
-    return t.contents.name
 
 
 def build_parser() -> argparse.ArgumentParser:

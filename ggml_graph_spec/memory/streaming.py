@@ -1,18 +1,26 @@
 """Layers read from the file per token through rotating slots, the next one read while the
-current one computes.
+current one computes; of a MoE layer, only the experts its tokens select (memory/experts.py).
 
 The graph is built and allocated as always (weights mapped from the file); only its compute
 changes: the executor runs it one segment (layer) at a time through `ggml_graph_view`, and
-before a streamed layer's segment points that layer's weight tensors (and the graph's views of
-them, whose addresses ggml-alloc fixed from the mapping) at a slot the prefetch thread filled
-with `pread`. Reads are large and sequential (each tensor whole, in file order), and the pages
-they went through are dropped (POSIX_FADV_DONTNEED) so the page cache holds none of the
-streamed layers and the pinned prefix keeps its pages (mlock, best effort).
+before a streamed layer's segment points that layer's trunk tensors (everything but the routed
+experts; and the graph's views of them, whose addresses ggml-alloc fixed from the mapping) at a
+slot the prefetch thread filled with `pread`. A MoE layer's segment is run in two parts, split at
+the first node that reads the experts: the first part computes the router's top-k ids; the
+executor reads them back, has the expert cache hold those experts (reading the missed ones) and
+writes their cache entries into the ids input of the expert matmuls (the router's own ids, which
+the gating weights' get_rows read, are left as they are); the second part computes the experts
+from the cache. When a batch selects more experts than the cache holds, the layer's mapped expert
+stacks are used whole and their pages dropped after. The plan is made before the first graph is
+built, from a graph planned for the purpose (`wants_plan`): its compute buffer is part of it. Reads are large and sequential, and the pages they went through are dropped
+(POSIX_FADV_DONTNEED) so the page cache holds none of the streamed bytes and the pinned prefix
+keeps its pages (mlock, best effort).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,11 +29,15 @@ from dataclasses import dataclass
 import ggml
 import numpy as np
 
-from ..graph import Executor, GraphBuild
-from .budget import N_SLOTS, BudgetPlan, plan_budget
+from gguf_arch.arch.tensors import ROUTED_EXPERTS
+
+from ..graph import I32, Executor, GraphBuild
+from .budget import N_SLOTS, BudgetError, BudgetPlan, ExpertSizes, plan_budget
+from .experts import ExpertCache, ExpertStack, pread_into
 
 _ALIGN = 64  # slot offsets: above ggml's TENSOR_ALIGNMENT (32)
 _LAYER = re.compile(r"blk\.(\d+)\.")
+_KINDS = tuple(n.split("}.", 1)[-1].split(".", 1)[0] for n in ROUTED_EXPERTS)  # ffn_gate_exps, ...
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -39,38 +51,67 @@ class _Piece:
 
     tensor: object  # ggml_tensor_p
     fd: int
+    path: str
     file_offset: int
     nbytes: int
     slot_offset: int
 
 
 class LayerFiles:
-    """The layers' tensors located in the GGUF files (open read-only for pread)."""
+    """The layers' tensors located in the GGUF files (open read-only for pread): each layer's
+    trunk pieces, and its stacked routed experts."""
 
     def __init__(self, weights):
-        self._fds = [os.open(path, os.O_RDONLY) for path, _, _ in weights.mapped_files]
+        self._paths = [str(path) for path, _, _ in weights.mapped_files]
+        self._fds = [os.open(path, os.O_RDONLY) for path in self._paths]
         maps = [(base, size) for _, base, size in weights.mapped_files]
         self.layers: dict[int, list[_Piece]] = {}
+        self.experts: dict[int, list[ExpertStack]] = {}
         self.outside = 0  # bytes of the tensors no layer owns (embedding, head)
         for name, t in weights.tensors.items():
             m = _LAYER.match(name)
             if m is None:
                 self.outside += ggml.ggml_nbytes(t)
                 continue
-            self.layers.setdefault(int(m.group(1)), []).append(self._locate(t, maps))
+            p = self._locate(t, maps)
+            kind = name[m.end():].split(".", 1)[0]
+            if kind in _KINDS:
+                stride = t.contents.nb[2]
+                self.experts.setdefault(int(m.group(1)), []).append(
+                    (_KINDS.index(kind), ExpertStack(t, p.fd, p.path, p.file_offset, stride, t.contents.ne[2])))
+            else:
+                self.layers.setdefault(int(m.group(1)), []).append(p)
+        self.experts = {l: [s for _, s in sorted(v, key=lambda x: x[0])] for l, v in self.experts.items()}
         for layer, pieces in self.layers.items():
             pieces.sort(key=lambda p: (p.fd, p.file_offset))  # sequential reads
             self.layers[layer] = _place(pieces)
 
     def _locate(self, t, maps) -> _Piece:
         addr = t.contents.data
-        for fd, (base, size) in zip(self._fds, maps):
+        for fd, path, (base, size) in zip(self._fds, self._paths, maps):
             if base <= addr < base + size:
-                return _Piece(t, fd, addr - base, ggml.ggml_nbytes(t), 0)
+                return _Piece(t, fd, path, addr - base, ggml.ggml_nbytes(t), 0)
         raise ValueError(f"tensor {ggml.ggml_get_name(t)!r} is not in a mapped GGUF file")
 
+    @property
+    def n_layers(self) -> int:
+        return max([*self.layers, *self.experts]) + 1
+
     def layer_bytes(self) -> list[int]:
-        return [sum(_align(p.nbytes) for p in self.layers.get(l, ())) for l in range(max(self.layers) + 1)]
+        """Bytes of each layer's trunk (every tensor but the routed experts)."""
+        return [sum(_align(p.nbytes) for p in self.layers.get(l, ())) for l in range(self.n_layers)]
+
+    def expert_sizes(self, used: int) -> ExpertSizes | None:
+        """The experts for the plan; None when the MoE layers' experts differ in shape (then the
+        cache, one shape per kind, cannot serve them all and no expert is streamed alone)."""
+        shapes = {tuple(s.shape for s in v) for v in self.experts.values()}
+        if len(shapes) != 1 or len(next(iter(shapes))) != len(_KINDS):
+            return None
+        per_layer = tuple(self.experts[l][0].count if l in self.experts else 0 for l in range(self.n_layers))
+        return ExpertSizes(per_layer, sum(_align(s[3]) for s in next(iter(shapes))), used)
+
+    def expert_bytes(self) -> int:
+        return sum(s.stride * s.count for v in self.experts.values() for s in v)
 
     def close(self) -> None:
         for fd in self._fds:
@@ -81,33 +122,45 @@ class LayerFiles:
 def _place(pieces: list[_Piece]) -> list[_Piece]:
     out, off = [], 0
     for p in pieces:
-        out.append(_Piece(p.tensor, p.fd, p.file_offset, p.nbytes, off))
+        out.append(_Piece(p.tensor, p.fd, p.path, p.file_offset, p.nbytes, off))
         off += _align(p.nbytes)
     return out
 
 
 def read_layer(pieces: list[_Piece], slot: np.ndarray) -> int:
-    """pread a layer's tensors into `slot`, then drop their pages from the page cache."""
-    total = 0
+    """pread a layer's trunk tensors into `slot` (dropping their pages from the page cache)."""
     for p in pieces:
-        view = memoryview(slot)[p.slot_offset:p.slot_offset + p.nbytes]
-        done = 0
-        while done < p.nbytes:
-            n = os.preadv(p.fd, [view[done:]], p.file_offset + done)
-            if n <= 0:
-                raise OSError(f"short read of a weight tensor at offset {p.file_offset + done}")
-            done += n
-        os.posix_fadvise(p.fd, p.file_offset, p.nbytes, os.POSIX_FADV_DONTNEED)
-        total += p.nbytes
-    return total
+        pread_into(p.fd, p.path, slot.ctypes.data + p.slot_offset, p.nbytes, p.file_offset)
+    return sum(p.nbytes for p in pieces)
 
 
-def _mlock(pieces: list[_Piece]) -> bool:
-    """Pin a layer's mapped pages; False where the kernel refuses (RLIMIT_MEMLOCK)."""
-    ok = True
-    for p in pieces:
-        ok &= _libc.mlock(ctypes.c_void_p(p.tensor.contents.data), ctypes.c_size_t(p.nbytes)) == 0
-    return ok
+def _mlock(addr: int, nbytes: int) -> bool:
+    """Pin mapped pages; False where the kernel refuses (RLIMIT_MEMLOCK)."""
+    return _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes)) == 0
+
+
+def _drop_mapped(stacks: list[ExpertStack]) -> None:
+    """Drop the pages of mapped expert stacks the graph read in place (whole pages inside only:
+    a neighbour's pinned pages stay)."""
+    page = mmap.PAGESIZE
+    for s in stacks:
+        start, end = s.tensor.contents.data, s.tensor.contents.data + s.stride * s.count
+        lo, hi = -(-start // page) * page, end // page * page
+        if hi > lo:
+            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+        os.posix_fadvise(s.fd, s.file_offset, s.stride * s.count, os.POSIX_FADV_DONTNEED)
+
+
+@dataclass
+class _Bound:
+    """A MoE layer of one graph whose experts come from the cache."""
+
+    ids: object  # the router's top-k ids, I32 [k, T]
+    slots: object  # the ids input of the expert matmuls
+    pool: list  # one tensor per kind over the cache's regions
+
+    def reads(self) -> set[int]:
+        return {ctypes.addressof(t.contents) for t in (self.slots, *self.pool)}
 
 
 class StreamingExecutor(Executor):
@@ -120,50 +173,126 @@ class StreamingExecutor(Executor):
         super().__init__(n_threads)
         self.budget = budget
         self.files = LayerFiles(weights)
+        self._used = weights.cfg.num_experts_used
         self.plan_: BudgetPlan | None = None
+        self.cache: ExpertCache | None = None
         self.mlocked = False
-        self.bytes_read = 0
+        self.bytes_read = 0  # trunks and experts read by pread
+        self.whole_reads = 0  # MoE layers whose experts were used from the mapping, whole
+        self.tokens = 0
         self._cache_bytes = 0
         self._slots: list[np.ndarray] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-k3-prefetch")
         self._pending: dict[int, Future] = {}
         self._loads = 0
+        self._bound: dict[int, _Bound] = {}
 
     def attach(self, cache_bytes: int) -> None:
         self._cache_bytes = cache_bytes
 
+    @property
+    def wants_plan(self) -> bool:
+        """Until the budget's plan exists: it needs a planned graph's compute buffer, and the
+        graph to compute needs the plan (which layers' experts come from the cache)."""
+        return self.plan_ is None
+
+    def _plan(self, g: GraphBuild) -> None:
+        super()._plan(g)
+        if self.plan_ is None:
+            self.plan_ = self._make_plan()
+
     def _make_plan(self) -> BudgetPlan:
         compute = ggml.ggml_gallocr_get_buffer_size(self._galloc, 0)
-        plan = plan_budget(self.budget, self.files.outside + self._cache_bytes + compute, self.files.layer_bytes())
+        sizes = self.files.expert_sizes(self._used)
+        if sizes is None and self.files.experts:
+            raise BudgetError("--mem-budget: the MoE layers' routed experts differ in shape; one expert cache "
+                              "cannot hold them")
+        plan = plan_budget(self.budget, self.files.outside + self._cache_bytes + compute, self.files.layer_bytes(),
+                           sizes)
         self._slots = [np.empty(plan.slot_bytes + _ALIGN, np.uint8) for _ in range(N_SLOTS * bool(plan.streamed))]
         self._slots = [s[(-s.ctypes.data) % _ALIGN:][:plan.slot_bytes] for s in self._slots]
-        self.mlocked = all([_mlock(self.files.layers.get(l, [])) for l in plan.pinned])
+        if plan.cache_entries:
+            kinds = [s.shape for s in self.files.experts[plan.expert_layers[0]]]
+            self.cache = ExpertCache(kinds, plan.cache_entries, ggml.ggml_backend_get_default_buffer_type(self.backend))
+        pinned = [(p.tensor.contents.data, p.nbytes) for l in plan.pinned for p in self.files.layers.get(l, [])]
+        if not plan.expert_layers:  # the whole model fits: its experts are pinned too
+            pinned += [(s.tensor.contents.data, s.stride * s.count) for v in self.files.experts.values() for s in v]
+        self.mlocked = all([_mlock(a, n) for a, n in pinned])
         return plan
+
+    def bind_experts(self, g: GraphBuild, layer: int, ids, experts: list) -> tuple[object, list]:
+        """GraphBuild's hook for a MoE layer's routed experts: the ids and expert tensors its
+        matmuls are to read. A layer whose experts are streamed reads the cache's entries."""
+        if self.cache is None or layer not in self.plan_.expert_layers:
+            return ids, experts
+        ggml.ggml_set_output(ids)  # kept until the executor has read it back
+        k, T = ids.contents.ne[0], ids.contents.ne[1]
+        slots = g.input(f"expert_entries_{layer}", I32, (k, T), np.zeros((T, k), np.int32))
+        ggml.ggml_set_output(slots)
+        names = [ggml.ggml_get_name(t) + b" (cache)" for t in experts]
+        pool = self.cache.tensors(g.ctx, names, self.files.experts[layer][0].count)
+        self._bound[layer] = _Bound(ids, slots, pool)
+        return slots, pool
 
     def _run(self, g: GraphBuild) -> int:
         if self.plan_ is None:
             self.plan_ = self._make_plan()
-        streamed = set(self.plan_.streamed)
-        status = ggml.GGML_STATUS_SUCCESS
-        views = _views(g)
-        for segment, i0, i1 in _runs(g):
+        bound, self._bound = self._bound, {}
+        streamed, experts = set(self.plan_.streamed), set(self.plan_.expert_layers)
+        runs, views, nodes = _scan(g)
+        self.tokens += g.n_tokens
+        for segment, i0, i1 in runs:
             if segment in streamed:
                 self._bring_in(views, segment)
-            view = ggml.ggml_graph_view(g.gf, i0, i1)
-            status = ggml.ggml_backend_graph_compute(self.backend, ctypes.pointer(view))
+            if segment in bound:
+                status = self._run_moe(g, (views, nodes), segment, bound[segment], (i0, i1))
+            else:
+                status = self._compute(g, i0, i1)
+                if segment in experts:  # a graph built before the plan (Executor.plan): the mapped experts
+                    self._whole(segment)
             if status != ggml.GGML_STATUS_SUCCESS:
                 break
         return status
+
+    def _compute(self, g: GraphBuild, i0: int, i1: int) -> int:
+        if i0 >= i1:
+            return ggml.GGML_STATUS_SUCCESS
+        view = ggml.ggml_graph_view(g.gf, i0, i1)
+        return ggml.ggml_backend_graph_compute(self.backend, ctypes.pointer(view))
+
+    def _run_moe(self, g: GraphBuild, scan: tuple, layer: int, b: _Bound, run: tuple[int, int]) -> int:
+        """The layer up to its expert matmuls, the selected experts brought in, then the rest."""
+        (views, nodes), (i0, i1) = scan, run
+        split = _first_reader(nodes, b.reads(), i0, i1)
+        status = self._compute(g, i0, split)
+        if status != ggml.GGML_STATUS_SUCCESS:
+            return status
+        ids = self.read(b.ids).astype(np.int32)
+        experts, inverse = np.unique(ids, return_inverse=True)
+        entries = self.cache.place(layer, self.files.experts[layer], experts)
+        if entries is None:  # more experts than the cache holds: the mapped stacks, whole
+            for t, s in zip(b.pool, self.files.experts[layer]):
+                _point(views, t, s.tensor.contents.data)
+            value = ids
+        else:
+            value = entries[inverse.reshape(ids.shape)]
+        value = np.ascontiguousarray(value, dtype=np.int32)
+        ggml.ggml_backend_tensor_set(b.slots, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
+        status = self._compute(g, split, i1)
+        if entries is None:
+            self._whole(layer)
+        return status
+
+    def _whole(self, layer: int) -> None:
+        self.whole_reads += 1
+        _drop_mapped(self.files.experts[layer])
 
     def _bring_in(self, views: dict[int, list], layer: int) -> None:
         """Wait for `layer` in its slot, point its tensors there, start reading the next one."""
         future = self._pending.pop(layer, None) or self._submit(layer)
         slot = future.result()
-        base = slot.ctypes.data
-        for p in self.files.layers[layer]:
-            p.tensor.contents.data = base + p.slot_offset
-            for v in views.get(ctypes.addressof(p.tensor.contents), ()):  # ggml-alloc set them from the old address
-                v.data = base + p.slot_offset + v.view_offs
+        for p in self.files.layers.get(layer, []):
+            _point(views, p.tensor, slot.ctypes.data + p.slot_offset)
         order = self.plan_.streamed
         nxt = order[(order.index(layer) + 1) % len(order)]
         if nxt != layer and nxt not in self._pending:
@@ -175,51 +304,85 @@ class StreamingExecutor(Executor):
         return self._pool.submit(self._read, layer, slot)
 
     def _read(self, layer: int, slot: np.ndarray) -> np.ndarray:
-        self.bytes_read += read_layer(self.files.layers[layer], slot)
+        self.bytes_read += read_layer(self.files.layers.get(layer, []), slot)
         return slot
 
+    def read_per_token(self) -> float:
+        """Bytes pread per token so far (trunks and missed experts)."""
+        return (self.bytes_read + (self.cache.bytes_read if self.cache else 0)) / max(self.tokens, 1)
+
     def summary(self) -> list[tuple[str, str]]:
-        """print_info rows: what is pinned and what each token reads."""
+        """print_info rows: what is pinned, the expert cache and what each token reads."""
         p = self.plan_
         if p is None:
             return [("mem budget", f"{self.budget} bytes (plan made at the first graph)")]
+        what = "trunks of layers" if p.expert_layers else "layers"
         return [("mem budget", f"{self.budget} bytes, resident {p.resident} (fixed {p.fixed})"),
-                ("mem pinned", f"layers {_span(p.pinned)} ({p.pinned_bytes} bytes, "
+                ("mem pinned", f"{what} {_span(p.pinned)} ({p.pinned_bytes} bytes, "
                                f"mlock {'on' if self.mlocked else 'refused'})"),
-                ("mem streamed", f"layers {_span(p.streamed)}: {p.streamed_bytes} bytes read per token, "
-                                 f"{N_SLOTS} slots of {p.slot_bytes}")]
+                ("mem streamed", f"{what} {_span(p.streamed)}: {p.streamed_bytes} bytes read per token, "
+                                 f"{N_SLOTS} slots of {p.slot_bytes}")] + self.stats()
+
+    def stats(self) -> list[tuple[str, str]]:
+        """print_info rows of the expert cache so far (also printed at the end of a run)."""
+        p, c = self.plan_, self.cache
+        if p is None or c is None:
+            return []
+        return [("mem experts", f"layers {_span(p.expert_layers)}: cache of {c.entries} experts ({c.nbytes} bytes), "
+                                f"hits {c.hits}/{c.hits + c.misses} ({100 * c.hit_rate():.1f}%), at most "
+                                f"{self._used * len(p.expert_layers)} experts of {p.expert_bytes} bytes read per token"),
+                ("mem read", f"{self.read_per_token():.0f} bytes read per token so far ({self.tokens} tokens, "
+                             f"{self.whole_reads} layer(s) of experts used whole)")]
 
     def free(self) -> None:
         for f in list(self._pending.values()):
             f.result()
         self._pending = {}
         self._pool.shutdown()
+        if self.cache is not None:
+            self.cache.free()
         self.files.close()
         super().free()
+
+
+def _point(views: dict[int, list], t, addr: int) -> None:
+    """Move a weight tensor (and the graph's views of it, whose addresses ggml-alloc set) to addr."""
+    t.contents.data = addr
+    for v in views.get(ctypes.addressof(t.contents), ()):
+        v.data = addr + v.view_offs
+
+
+_SRC = ggml.ggml_tensor.src.offset  # the struct's src pointers, read as integers (one ctypes read)
+
+
+def _first_reader(nodes: list[int], tensors: set[int], i0: int, i1: int) -> int:
+    """The first node in i0..i1 (addresses `nodes`) with a source among `tensors`."""
+    for i in range(i0, i1):
+        if any(s in tensors for s in (ctypes.c_void_p * ggml.GGML_MAX_SRC).from_address(nodes[i] + _SRC)):
+            return i
+    return i1
 
 
 def _span(layers: tuple[int, ...]) -> str:
     return f"{layers[0]}..{layers[-1]}" if layers else "none"
 
 
-def _runs(g: GraphBuild):
-    """(segment, first node, end) of each run of consecutive nodes of one segment."""
-    n = ggml.ggml_graph_n_nodes(g.gf)
+def _scan(g: GraphBuild) -> tuple[list[tuple], dict[int, list], list[int]]:
+    """One pass over the nodes (per graph: it costs Python time per node): the (segment, first
+    node, end) of each run of consecutive nodes of one segment; the graph's views of tensors it
+    does not compute (weights, the cache's), by the viewed tensor's address; each node's address."""
+    segments = g.segments_by_address()
     runs: list[list] = []
-    for i in range(n):
-        seg = g.segment_of(ggml.ggml_graph_node(g.gf, i))
+    views: dict[int, list] = {}
+    nodes: list[int] = []
+    for i in range(ggml.ggml_graph_n_nodes(g.gf)):
+        t = ggml.ggml_graph_node(g.gf, i).contents
+        nodes.append(ctypes.addressof(t))
+        seg = segments.get(nodes[-1])
         if runs and (seg is None or seg == runs[-1][0]):
             runs[-1][2] = i + 1
         else:
             runs.append([seg, i, i + 1])
-    return [tuple(r) for r in runs]
-
-
-def _views(g: GraphBuild) -> dict[int, list]:
-    """The graph's views of tensors it does not compute (weights), by the viewed tensor's address."""
-    out: dict[int, list] = {}
-    for i in range(ggml.ggml_graph_n_nodes(g.gf)):
-        t = ggml.ggml_graph_node(g.gf, i).contents
         if t.view_src and t.view_src.contents.op == ggml.GGML_OP_NONE:
-            out.setdefault(ctypes.addressof(t.view_src.contents), []).append(t)
-    return out
+            views.setdefault(ctypes.addressof(t.view_src.contents), []).append(t)
+    return [tuple(r) for r in runs], views, nodes

@@ -2,9 +2,11 @@
 on the fast and the exact path, and inside a real memory cgroup (memory/budget.py, streaming.py)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,20 +21,37 @@ TIMEOUT = 300
 OVERHEAD = 64 << 20
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
-# A greedy run in a child process: prints the tokens, then the anonymous RSS and bytes streamed.
+# A greedy run in a child process: prints the tokens, then the anonymous RSS and bytes streamed,
+# then what the expert streaming did (JSON). A warm-up token first (the plan is made at the first
+# graph, so the prompt's graph already reads the experts as selected), then a 24-token prompt.
 CHILD = """
-import sys, numpy as np
+import json, sys, numpy as np
 from ggml_graph_spec.model import Model
 path, exact, budget = sys.argv[1], sys.argv[2] == "1", (None if sys.argv[3] == "none" else sys.argv[3])
 m = Model.load(path, n_ctx=64, exact_experts=exact, n_threads=1, mem_budget=budget)
-logits, out = m.eval([1, 5, 9]), []
+m.eval([1]); m.reset()
+x = m.executor
+def read():
+    return x.bytes_read + (x.cache.bytes_read if getattr(x, "cache", None) else 0)
+whole0 = getattr(x, "whole_reads", 0)
+logits, out = m.eval([(7 * i + 1) % 50 for i in range(24)]), []
+whole1, read1 = getattr(x, "whole_reads", 0), read() if budget else 0
 for _ in range(6):
     out.append(int(np.argmax(logits[-1])))
     logits = m.eval([out[-1]])
-plan = getattr(m.executor, "plan_", None)
+plan = getattr(x, "plan_", None)
 rss = [l for l in open("/proc/self/status") if l.startswith("RssAnon:")][0].split()[1]
 print(" ".join(map(str, out)))
-print(int(rss) * 1024, plan.streamed if plan else (), getattr(m.executor, "bytes_read", 0))
+# the layers any part of which (trunk or experts) is read per token, and the bytes read in all
+print(int(rss) * 1024, tuple(sorted({*plan.streamed, *plan.expert_layers})) if plan else (), read() if budget else 0)
+c = getattr(x, "cache", None)
+stats = {"prompt_whole": whole1 - whole0, "decode_whole": getattr(x, "whole_reads", 0) - whole1,
+         "decode_read_per_token": (read() - read1) / len(out) if budget else 0,
+         "resident": plan.resident if plan else 0, "entries": c.entries if c else 0,
+         "hits": c.hits if c else 0, "misses": c.misses if c else 0,
+         "whole_layer_read_per_token": (plan.streamed_bytes + sum(s.stride * s.count for l in plan.expert_layers
+                                        for s in x.files.experts[l])) if plan else 0}
+print(json.dumps(stats))
 m.close()
 """
 
@@ -46,15 +65,29 @@ def big_gguf(tmp_path_factory) -> Path:
     return d / "m.gguf"
 
 
-def _child(path: Path, exact: bool, budget: str, preexec=None) -> tuple[str, int, str, int]:
+@dataclass(frozen=True)
+class Run:
+    tokens: str
+    rss: int
+    streamed: str
+    read: int
+    experts: dict  # what the expert streaming did (CHILD)
+
+
+def _run(path: Path, exact: bool, budget: str, preexec=None) -> Run:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", CHILD, str(path), "1" if exact else "0", budget], env=env,
                        capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=preexec)
     assert r.returncode == 0, r.stderr[-2000:]
-    tokens, stats = r.stdout.strip().splitlines()
+    tokens, stats, experts = r.stdout.strip().splitlines()
     rss, rest = stats.split(" ", 1)
     streamed, read = rest.rsplit(" ", 1)
-    return tokens, int(rss), streamed, int(read)
+    return Run(tokens, int(rss), streamed, int(read), json.loads(experts))
+
+
+def _child(path: Path, exact: bool, budget: str, preexec=None) -> tuple[str, int, str, int]:
+    r = _run(path, exact, budget, preexec)
+    return r.tokens, r.rss, r.streamed, r.read
 
 
 def test_sizes_and_presets():
@@ -85,6 +118,33 @@ def test_tokens_identical_at_budgets_below_a_third_of_the_model(big_gguf, exact)
         assert streamed != "()" and read > 0, "the budget streamed no layer: the test proves nothing"
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_only_the_selected_experts_are_read(big_gguf, exact):
+    """At every budget the decode reads the trunks and the missed experts only: less than the
+    whole layers; no decoded token falls back to a whole expert stack; the tokens stay the same."""
+    size = big_gguf.stat().st_size
+    ref = _run(big_gguf, exact, "none")
+    for budget in (size // 5, size // 3, size // 2):
+        r = _run(big_gguf, exact, str(budget))
+        e = r.experts
+        assert r.tokens == ref.tokens, f"budget {budget}"
+        assert e["entries"] > 0 and e["misses"] > 0, f"budget {budget}: no expert was streamed: {e}"
+        assert e["decode_whole"] == 0, e
+        assert 0 < e["decode_read_per_token"] < e["whole_layer_read_per_token"], e
+        assert e["resident"] <= budget
+
+
+# (the exact path's larger compute buffer and caches leave less of a budget to the expert cache)
+@pytest.mark.parametrize("exact,part", [(False, 6), (True, 5)], ids=["fast", "exact"])
+def test_a_prompt_selecting_more_experts_than_the_cache_reads_them_whole(big_gguf, exact, part):
+    """At 1/6 (1/5) of the file the cache holds a few experts: the 24-token prompt's union does not
+    fit, its layers use the mapped stacks whole, and the tokens are still the unlimited run's."""
+    budget = big_gguf.stat().st_size // part
+    r, ref = _run(big_gguf, exact, str(budget)), _run(big_gguf, exact, "none")
+    assert r.experts["entries"] < 24 * 2, r.experts  # fewer than the prompt's k x T selections
+    assert r.experts["prompt_whole"] > 0 and r.tokens == ref.tokens
+
+
 def test_cli_summary_says_what_is_pinned(big_gguf):
     budget = big_gguf.stat().st_size // 3
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -96,6 +156,7 @@ def test_cli_summary_says_what_is_pinned(big_gguf):
     assert r.returncode == 0 and ref.returncode == 0, r.stderr[-2000:]
     assert r.stdout == ref.stdout
     assert "mem pinned" in r.stderr and "bytes read per token" in r.stderr
+    assert "mem experts" in r.stderr and "hits " in r.stderr
     bad = subprocess.run(args + ["--mem-budget", "12Q"], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --mem-budget")
 
@@ -121,12 +182,14 @@ def test_inside_a_memory_cgroup(big_gguf, exact):
     group = _make_cgroup(budget + OVERHEAD)
     try:
         procs = group / "cgroup.procs"
-        tokens, rss, streamed, _ = _child(big_gguf, exact, str(budget),
-                                          preexec=lambda: procs.write_text(str(os.getpid())))
+        r = _run(big_gguf, exact, str(budget), preexec=lambda: procs.write_text(str(os.getpid())))
         failed = int((group / "memory.failcnt").read_text())
     finally:
         group.rmdir()
+    tokens, rss, streamed = r.tokens, r.rss, r.streamed
     assert tokens == ref and streamed != "()"
+    assert r.experts["entries"] > 0 and r.experts["misses"] > 0, "the expert cache was not engaged"
+    assert r.experts["resident"] <= budget
     assert rss <= budget + OVERHEAD, f"anonymous RSS {rss} > budget {budget} + overhead {OVERHEAD}"
     print(f"cgroup limit {budget + OVERHEAD}: anonymous RSS {rss}, limit hits {failed}")
 

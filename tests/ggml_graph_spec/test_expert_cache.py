@@ -1,0 +1,136 @@
+"""The expert cache of --mem-budget (memory/experts.py) and the plan that sizes it (budget.py):
+hits and misses counted per (layer, expert), the least used evicted, the bytes read are the file's,
+a short read is one clean error, and the plan stays within the budget."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import ggml
+import numpy as np
+import pytest
+
+from gguf_arch.errors import KimiError
+from ggml_graph_spec.memory.budget import BudgetError, ExpertSizes, plan_budget
+from ggml_graph_spec.memory.experts import ExpertCache, ExpertStack, ShortReadError
+
+STRIDES = (96, 64, 128)  # bytes of one expert of each kind (gate, up, down)
+N_EXPERTS = 8
+
+
+@pytest.fixture
+def stacks(tmp_path):
+    """Two layers' stacks of N_EXPERTS experts in one file, every byte distinct per slice."""
+    data = np.random.default_rng(0).integers(0, 256, 2 * N_EXPERTS * sum(STRIDES), dtype=np.uint8)
+    path = tmp_path / "experts.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    out, off = {}, 0
+    for layer in (0, 1):
+        out[layer] = []
+        for stride in STRIDES:
+            out[layer].append(ExpertStack(None, fd, str(path), off, stride, N_EXPERTS))
+            off += stride * N_EXPERTS
+    yield out, data
+    os.close(fd)
+
+
+_BACKEND = ggml.ggml_backend_cpu_init()  # for its buffer type; one for the module
+
+
+def _cache(entries: int) -> ExpertCache:
+    kinds = [(ggml.GGML_TYPE_I8, s, 1, s) for s in STRIDES]
+    return ExpertCache(kinds, entries, ggml.ggml_backend_get_default_buffer_type(_BACKEND))
+
+
+def _held(cache: ExpertCache, entry: int, kind: int) -> bytes:
+    return ctypes.string_at(cache.bases[kind] + int(entry) * STRIDES[kind], STRIDES[kind])
+
+
+def test_hits_misses_and_the_bytes_read(stacks):
+    s, data = stacks
+    c = _cache(3)
+    try:
+        e = c.place(1, s[1], np.array([2, 5]))
+        assert (c.hits, c.misses) == (0, 2) and c.bytes_read == 2 * sum(STRIDES)
+        for entry, expert in zip(e, (2, 5)):
+            for kind, stack in enumerate(s[1]):
+                lo = stack.file_offset + expert * stack.stride
+                assert _held(c, entry, kind) == data[lo:lo + stack.stride].tobytes()
+        assert list(c.place(1, s[1], np.array([2, 5]))) == list(e)
+        assert (c.hits, c.misses) == (2, 2) and c.bytes_read == 2 * sum(STRIDES)
+        c.place(0, s[0], np.array([2]))  # another layer's expert 2 is another expert
+        assert (c.hits, c.misses) == (2, 3) and c.hit_rate() == pytest.approx(2 / 5)
+        assert c.place(1, s[1], np.array([0, 1, 2, 3])) is None  # more than the cache holds
+    finally:
+        c.free()
+
+
+def test_the_least_used_is_evicted_ties_to_the_least_recent(stacks):
+    s, _ = stacks
+    c = _cache(3)
+    try:
+        for ids in ([1, 2], [1, 2], [1, 3]):  # uses: 1 x3, 2 x2, 3 x1
+            c.place(0, s[0], np.array(ids))
+        c.place(0, s[0], np.array([4]))  # evicts 3 (used once)
+        c.place(0, s[0], np.array([1]))
+        assert (0, 3) not in c._where and {(0, 1), (0, 2), (0, 4)} == set(c._where)
+        c.place(0, s[0], np.array([5]))  # 4 (once) is the least used again
+        c.place(0, s[0], np.array([6]))  # 5 used once, the others more
+        assert {(0, 1), (0, 2), (0, 6)} == set(c._where)
+        c.place(0, s[0], np.array([6, 7]))  # the selected 6 stays, the least used other goes: 2
+        assert {(0, 1), (0, 6), (0, 7)} == set(c._where)
+    finally:
+        c.free()
+    c = _cache(2)
+    try:
+        for ids in ([1], [2], [3]):  # 1 and 2 used once each: the less recent, 1, goes
+            c.place(0, s[0], np.array(ids))
+        assert {(0, 2), (0, 3)} == set(c._where)
+    finally:
+        c.free()
+    c = _cache(3)
+    try:  # the last empty entry and one held: 1 and 2 used as often and as lately, the lower goes
+        c.place(0, s[0], np.array([1, 2]))
+        c.place(0, s[0], np.array([3, 4]))
+        assert {(0, 2), (0, 3), (0, 4)} == set(c._where) and c.misses == 4
+    finally:
+        c.free()
+
+
+def test_a_short_read_is_one_clean_error(stacks, tmp_path):
+    s, _ = stacks
+    beyond = [ExpertStack(None, st.fd, st.path, st.file_offset + 10**6, st.stride, st.count) for st in s[1]]
+    c = _cache(2)
+    try:
+        with pytest.raises(ShortReadError, match="experts.bin: short read at offset") as err:
+            c.place(1, beyond, np.array([0]))
+        assert isinstance(err.value, KimiError) and "\n" not in str(err.value)
+    finally:
+        c.free()
+
+
+def test_the_plan_stays_within_the_budget_and_pins_trunks_first():
+    trunks, fixed = [100] * 6, 1000
+    experts = ExpertSizes((0,) + (16,) * 5, 30, 2)
+    whole = fixed + sum(trunks) + experts.total
+    for budget in range(fixed + 2 * 100 + 2 * 30, whole + 100, 37):
+        p = plan_budget(budget, fixed, trunks, experts)
+        assert p.resident <= budget, budget
+        if budget >= whole:
+            assert p.streamed == () and p.cache_entries == 0 and len(p.pinned) == 6
+            continue
+        assert p.cache_entries >= 2 and p.expert_layers == (1, 2, 3, 4, 5)
+        assert p.cache_entries == min(16 * 5, (budget - (p.resident - p.cache_entries * 30)) // 30)
+        # trunks are pinned first: while one is streamed, the cache beyond one token's experts
+        # could not have held another trunk
+        assert p.streamed == () or (p.cache_entries - 2) * 30 < 100
+    with pytest.raises(BudgetError, match="one token's 2 experts"):
+        plan_budget(fixed + 2 * 100 + 2 * 30 - 1, fixed, trunks, experts)
+
+
+def test_predicted_reads_fall_with_the_budget():
+    trunks, experts = [100] * 6, ExpertSizes((0,) + (16,) * 5, 30, 2)
+    reads = [plan_budget(b, 1000, trunks, experts).predicted_bytes_per_token for b in range(1260, 3800, 100)]
+    assert all(a >= b for a, b in zip(reads, reads[1:])) and reads[0] > reads[-1]
+    assert reads[0] <= 6 * 100 + 5 * 2 * 30
