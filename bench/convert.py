@@ -263,9 +263,9 @@ def bounds(model: Path, nbytes: int, out: Path) -> dict:
 
 
 def _write_cpu(out: Path, nbytes: int) -> float:
-    """CPU seconds of the converter's writer (gguf_arch/io/direct_write.py: staging copy plus the
+    """CPU seconds of the converter's writer (gguf_arch/io/direct_io.py: staging copy plus the
     write) putting `nbytes` of 16 MiB chunks on disk, fsync'd."""
-    from gguf_arch.io.direct_write import SequentialWriter
+    from gguf_arch.io.direct_io import SequentialWriter
     chunk = np.ones(16 << 20, np.uint8)  # not zeros: no page of it may be shared
 
     def write_all() -> None:

@@ -8,7 +8,7 @@ byte is written), and then each tensor's bytes as they are produced, with the sa
 padding gguf-py uses. Peak memory is one chunk, not one model.
 
 The output appears only when complete: data goes to `<out>.partial` in the same directory (written
-around the page cache: `direct_write`), which is fsync'd and renamed over the final name; any error or Ctrl-C removes it. Both names are claimed
+around the page cache: `direct_io`), which is fsync'd and renamed over the final name; any error or Ctrl-C removes it. Both names are claimed
 through `output_paths` (never through a link, never over a file the run was not allowed to replace). The plan is a plain
 value so that split output and resume can be built on it without touching the data path.
 """
@@ -28,7 +28,7 @@ from gguf.gguf_writer import WriterState
 
 from ..errors import KimiError, OutputError
 from .atomic import removed_on_failure
-from .direct_write import SequentialWriter
+from .direct_io import SequentialWriter
 from .gguf_file import row_nbytes
 from .gguf_values import problem as value_problem
 from .output_paths import check_existing, create, partial_path

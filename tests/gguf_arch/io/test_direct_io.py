@@ -1,20 +1,18 @@
-"""The O_DIRECT sequential writer: the bytes and the size are exactly what was appended, in any
-chunking, through the page cache or around it, and a refused O_DIRECT falls back cleanly."""
+"""O_DIRECT reads and the sequential writer: the bytes (and the written size) are exactly the
+file's / what was appended, at any offset and chunking, and a refused O_DIRECT falls back cleanly."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import mmap
 import os
 
 import numpy as np
 import pytest
 
-from gguf_arch.io import direct_write
-from gguf_arch.io.direct_write import BLOCK, SequentialWriter
+from gguf_arch.io import direct_io
+from gguf_arch.io.direct_io import BLOCK, SequentialWriter, open_direct, pread_direct
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+from tests.support.page_cache import evict_pages, resident_pages
+
 STAGING = 4 * BLOCK  # small buffers, so every test crosses many buffer boundaries
 
 
@@ -54,28 +52,17 @@ def test_numpy_chunks_of_any_dtype_and_shape(tmp_path):
     assert (tmp_path / "out").read_bytes() == b"".join(bytes(memoryview(a).cast("B")) for a in arrays)
 
 
-def _resident_pages(path) -> int:
-    """Pages of `path` in the page cache (mincore over a read-only mapping)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-        pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        base = np.frombuffer(m, np.uint8).ctypes.data  # the mapping's address (it is read-only)
-        assert _libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
-        return sum(v & 1 for v in vec)
-
-
 def test_direct_output_stays_out_of_the_page_cache(tmp_path):
     """The point of O_DIRECT: a converter's output does not evict the shards still to be read."""
     chunks = _chunks(7, 64 * STAGING)
     if not _write(tmp_path / "direct", chunks):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
-    assert _resident_pages(tmp_path / "direct") == 0
+    assert resident_pages(tmp_path / "direct") == 0
     (tmp_path / "buffered").write_bytes(b"".join(chunks))  # control: the check sees buffered pages
-    assert _resident_pages(tmp_path / "buffered") > 0
+    assert resident_pages(tmp_path / "buffered") > 0
 
 
-def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+def test_a_refused_direct_io_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     real, calls = os.pwrite, []
 
     def refusing(fd, data, offset):
@@ -84,7 +71,7 @@ def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypat
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(direct_write.os, "pwrite", refusing)
+    monkeypatch.setattr(direct_io.os, "pwrite", refusing)
     chunks = _chunks(3, 5 * STAGING + 17)
     assert _write(tmp_path / "out", chunks) is False
     assert (tmp_path / "out").read_bytes() == b"".join(chunks)
@@ -95,7 +82,7 @@ def test_other_write_errors_are_raised(tmp_path, monkeypatch):
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(direct_write.os, "pwrite", full)
+    monkeypatch.setattr(direct_io.os, "pwrite", full)
     with pytest.raises(OSError, match="No space left"):
         _write(tmp_path / "out", _chunks(5, 3 * STAGING))
 
@@ -105,5 +92,48 @@ def test_staging_must_be_whole_blocks(tmp_path):
     try:
         with pytest.raises(ValueError, match="multiple of 4096"):
             SequentialWriter(fd, BLOCK + 1)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def direct_file(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 5 * BLOCK + 777, dtype=np.uint8).tobytes()
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    evict_pages(path)
+    fd = os.open(path, os.O_RDONLY)
+    direct = open_direct(fd, path)
+    if direct is None:
+        os.close(fd)
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    yield data, direct, path
+    os.close(direct)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("offset,nbytes", [(0, 1), (1, BLOCK), (BLOCK - 1, 2), (BLOCK, BLOCK), (123, 3 * BLOCK + 5),
+                                           (5 * BLOCK + 700, 77), (0, 5 * BLOCK + 777), (17, 0)])
+def test_direct_reads_return_the_files_bytes_at_any_offset(direct_file, offset, nbytes):
+    data, direct, path = direct_file
+    assert bytes(pread_direct(direct, offset, nbytes)) == data[offset:offset + nbytes]
+    assert resident_pages(path) == 0
+
+
+@pytest.mark.parametrize("offset,nbytes", [(0, 5 * BLOCK + 778), (5 * BLOCK, 1000), (6 * BLOCK, 1)])
+def test_a_direct_read_past_the_end_is_an_eof_error(direct_file, offset, nbytes):
+    data, direct, _ = direct_file
+    with pytest.raises(EOFError) as end:
+        pread_direct(direct, offset, nbytes)
+    assert end.value.args[0] == len(data)  # where the file ends
+
+
+def test_open_direct_refuses_a_path_that_is_another_file_now(tmp_path):
+    (tmp_path / "a").write_bytes(b"a" * BLOCK)
+    fd = os.open(tmp_path / "a", os.O_RDONLY)
+    try:
+        os.replace(tmp_path / "a", tmp_path / "old")
+        (tmp_path / "a").write_bytes(b"b" * BLOCK)
+        assert open_direct(fd, tmp_path / "a") is None
     finally:
         os.close(fd)
