@@ -178,7 +178,8 @@ def _scan_and_digest_cpu(gguf: Path) -> tuple[float, float]:
 
 
 def _read_cpu(model: Path) -> float:
-    """CPU seconds of the converter's reader (pread into 16 MiB buffers) over every tensor byte."""
+    """CPU seconds of the converter's reader over every tensor byte, 16 MiB reads (those go around the
+    page cache: from disk, whatever is cached)."""
     from gguf_arch.io.safetensors import NUMPY_DTYPES, open_checkpoint
 
     def read_all() -> None:

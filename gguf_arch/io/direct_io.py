@@ -6,7 +6,7 @@ time (page-cache copies and writeback), the same bytes written with O_DIRECT 2.3
 10.2 s and 9.1 CPU-s buffered, 7.2 s and 0.7 CPU-s with O_DIRECT. A converter streaming 1.5 TB
 also has no use for the bytes in the page cache: they would only evict what is still to be read.
 
-Reads (`pread_direct`): the range is widened to whole blocks, read into a page-aligned buffer,
+Reads (`pread_direct`): the range is widened to whole blocks, read into a block-aligned buffer,
 and the caller gets a view of the bytes it asked for: no copy. Small reads stay buffered (the
 kernel's read-ahead serves runs of small tensors better than one device round trip each).
 
@@ -24,6 +24,8 @@ import fcntl
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
 
 # Above every device's logical block (512 or 4096) and a whole page, as O_DIRECT requires.
 BLOCK = 4096
@@ -59,8 +61,12 @@ def pread_direct(fd: int, offset: int, nbytes: int) -> memoryview:
     accepted the flag but refuses the read (the caller reads buffered instead)."""
     start = offset - offset % BLOCK
     need = offset + nbytes - start
-    buf = mmap.mmap(-1, max(BLOCK, -(-need // BLOCK) * BLOCK))
-    view = memoryview(buf)
+    size = max(BLOCK, -(-need // BLOCK) * BLOCK)
+    # A numpy allocation, aligned by hand: malloc reuses freed buffers, where a fresh mmap per read
+    # zero-fills every page again (cold 6.5 GB in 16 MiB reads: 0.36 CPU-s against 5.9).
+    raw = np.empty(size + BLOCK, np.uint8)
+    pad = -raw.ctypes.data % BLOCK
+    view = memoryview(raw[pad:pad + size])
     done = 0
     while done < need:
         n = os.preadv(fd, [view[done:]], start + done)
