@@ -6,14 +6,16 @@ On one synthetic K3 checkpoint in the real on-disk format (`kimi-k3-synth --pres
 --variant k3`: real hidden size 7168, real expert shapes, 4 layers, 16 MXFP4 experts by default,
 6.6 GB; ~17 GB free needed with the half-experts checkpoint and one output), in one run, each into
 WORKDIR/out on the same filesystem, the page cache dropped (root) before each from-disk step:
-  read_only   `cat` of the shards to /dev/null;  write_only  `dd` of the output size, fsync'd:
+  read_only   `cat` of the shards to /dev/null;  write_only  `dd` of the output size, fsync'd,
+              buffered and with oflag=direct (the faster counts: on this project's machine a
+              buffered write costs ~10x the time and ~3 CPU-s per GB of kernel copies):
               ratio_to_read_bound = ours / max(read_only, write_only), the converter's distance
               from the physical limit of any converter;
   copy, ours  `cp` of the shards and `convert_kimi_k3.py MODEL OUT.gguf --quiet [--threads N]`,
               from disk and again from the page cache, each as a ratio to the copy of its run;
   stages      CPU seconds per GB of each stage, from the page cache, one stage at a time in this
               process: read (pread into 16 MiB buffers), transform/repack (producing the output
-              bytes minus read and scan), non-finite scan, SHA-256 digest, write (dd's own CPU);
+              bytes minus read and scan), non-finite scan, SHA-256 digest, write (our writer's CPU);
               and the projection of those for the real 1.56 TB checkpoint at 1, 3 and 7 GB/s;
   llama_cpp   llama.cpp's `convert_hf_to_gguf.py --outtype bf16` (same types as ours: bf16 kept,
               experts repacked to MXFP4), from the llama-cpp-python 0.3.36 source distribution
@@ -176,7 +178,8 @@ def _scan_and_digest_cpu(gguf: Path) -> tuple[float, float]:
 
 
 def _read_cpu(model: Path) -> float:
-    """CPU seconds of the converter's reader (pread into 16 MiB buffers) over every tensor byte."""
+    """CPU seconds of the converter's reader over every tensor byte, 16 MiB reads (those go around the
+    page cache: from disk, whatever is cached)."""
     from gguf_arch.io.safetensors import NUMPY_DTYPES, open_checkpoint
 
     def read_all() -> None:
@@ -209,17 +212,18 @@ def _produce_cpu(model: Path) -> float:
     return _timed(produce)
 
 
-def stage_costs(model: Path, gguf: Path, write_cpu_s: float) -> dict:
+def stage_costs(model: Path, gguf: Path, out: Path) -> dict:
     """CPU seconds per GB (10^9 checkpoint bytes) of each stage, from the page cache, one thread
     at a time: read (pread), transform/repack (producing the output bytes minus read and scan),
-    non-finite scan, digest (SHA-256), write (dd's own CPU writing the output size, with fsync)."""
+    non-finite scan, digest (SHA-256), write (the converter's writer, the output's size, fsync'd)."""
     nbytes = sum(p.stat().st_size for p in _shards(model))
+    write_s = _write_cpu(out / "write-stage", gguf.stat().st_size)
     prepare_cache(model, cold=False)
     read_s = _read_cpu(model)
     produce_s = _produce_cpu(model)
     scan_s, digest_s = _scan_and_digest_cpu(gguf)
     cpu = {"read": read_s, "transform_repack": max(0.0, produce_s - read_s - scan_s), "non_finite_scan": scan_s,
-           "digest_sha256": digest_s, "write": write_cpu_s}
+           "digest_sha256": digest_s, "write": write_s}
     per_gb = {k: round(v / (nbytes / 1e9), 3) for k, v in cpu.items()}
     return {"cpu_s": {k: round(v, 2) for k, v in cpu.items()}, "cpu_s_per_gb": per_gb,
             "total_cpu_s_per_gb": round(sum(per_gb.values()), 3)}
@@ -243,15 +247,40 @@ def projection(cpu_s_per_gb: float, cores: int, total_tb: float = 1.56) -> dict:
 
 def bounds(model: Path, nbytes: int, out: Path) -> dict:
     """From disk: the read-only time of the shards (`cat > /dev/null`) and the write-only time
-    of `nbytes` (`dd` from /dev/zero, fsync'd): the physical limit of any converter."""
+    of `nbytes` (`dd` from /dev/zero, fsync'd), through the page cache and around it
+    (`oflag=direct`); write_only is the faster of the two: the physical limit of any converter."""
     prepare_cache(model, cold=True)
     read = measure(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, _shards(model))], nbytes)
-    prepare_cache(model, cold=True)
-    mib = -(-nbytes // (16 << 20))
-    write = measure(["dd", "if=/dev/zero", f"of={_fresh(out) / 'zeros'}", "bs=16M", f"count={mib}", "conv=fsync",
-                     "status=none"], nbytes)
+    writes = {}
+    for method, flags in (("buffered", []), ("direct", ["oflag=direct"])):
+        prepare_cache(model, cold=True)
+        mib = -(-nbytes // (16 << 20))
+        writes[method] = measure(["dd", "if=/dev/zero", f"of={_fresh(out) / 'zeros'}", "bs=16M", f"count={mib}",
+                                  *flags, "conv=fsync", "status=none"], nbytes)
     shutil.rmtree(out, ignore_errors=True)
-    return {"read_only": read, "write_only": write}
+    best = min(writes, key=lambda k: writes[k]["wall_s"])
+    return {"read_only": read, "write_only": {**writes[best], "method": best},
+            "write_only_buffered": writes["buffered"], "write_only_direct": writes["direct"]}
+
+
+def _write_cpu(out: Path, nbytes: int) -> float:
+    """CPU seconds of the converter's writer (gguf_arch/io/direct_io.py: staging copy plus the
+    write) putting `nbytes` of 16 MiB chunks on disk, fsync'd."""
+    from gguf_arch.io.direct_io import SequentialWriter
+    chunk = np.ones(16 << 20, np.uint8)  # not zeros: no page of it may be shared
+
+    def write_all() -> None:
+        fd = os.open(_fresh(out) / "written", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            with SequentialWriter(fd) as w:
+                for start in range(0, nbytes, chunk.size):
+                    w.write(chunk[:min(chunk.size, nbytes - start)])
+                w.finish()
+        finally:
+            os.close(fd)
+    cpu = _timed(write_all)
+    shutil.rmtree(out, ignore_errors=True)
+    return cpu
 
 
 def _ours(threads: int | None) -> list[str]:
@@ -292,7 +321,7 @@ def _measured(workdir: Path, experts: int, threads: int | None, llama_cpp: bool)
         raise SystemExit(f"error: {problem} (run as root)")
     m = {"nbytes": nbytes, "shards": len(_shards(model)), "disk": bounds(model, nbytes, out),
          "cold": compare(model, out, nbytes, True, threads), "warm": compare(model, out, nbytes, False, threads)}
-    m["stages"] = stage_costs(model, out / "k3.gguf", m["disk"]["write_only"]["cpu_s"])
+    m["stages"] = stage_costs(model, out / "k3.gguf", out)
     runs = m["runs"] = {}
     if llama_cpp:
         llama_dir = llama_cpp_tree(workdir)
@@ -344,7 +373,8 @@ def _print_summary(r: dict) -> None:
     print("CPU-s per GB: " + ", ".join(f"{k} {v}" for k, v in st.items()) + f"; total {r['stages']['total_cpu_s_per_gb']}",
           file=sys.stderr)
     d, c, w = r["disk_bounds"], r["from_disk"], r["page_cache"]
-    print(f"from disk: read-only {d['read_only']['wall_s']} s, write-only {d['write_only']['wall_s']} s, "
+    print(f"from disk: read-only {d['read_only']['wall_s']} s, write-only {d['write_only']['wall_s']} s "
+          f"({d['write_only']['method']}; buffered {d['write_only_buffered']['wall_s']} s), "
           f"cp {c['copy']['wall_s']} s, ours {c['ours']['wall_s']} s: ratio_to_read_bound {r['ratio_to_read_bound']}, "
           f"ours/cp {c['ours_time_vs_copy']}; page cache: cp {w['copy']['wall_s']} s, ours {w['ours']['wall_s']} s, "
           f"ours/cp {w['ours_time_vs_copy']}", file=sys.stderr)

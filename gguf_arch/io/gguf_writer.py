@@ -7,8 +7,8 @@ an in-memory buffer (`header_bytes`: the exact header, so the exact file size is
 byte is written), and then each tensor's bytes as they are produced, with the same alignment
 padding gguf-py uses. Peak memory is one chunk, not one model.
 
-The output appears only when complete: data goes to `<out>.partial` in the same directory, which
-is fsync'd and renamed over the final name; any error or Ctrl-C removes it. Both names are claimed
+The output appears only when complete: data goes to `<out>.partial` in the same directory (written
+around the page cache: `direct_io`), which is fsync'd and renamed over the final name; any error or Ctrl-C removes it. Both names are claimed
 through `output_paths` (never through a link, never over a file the run was not allowed to replace). The plan is a plain
 value so that split output and resume can be built on it without touching the data path.
 """
@@ -28,6 +28,7 @@ from gguf.gguf_writer import WriterState
 
 from ..errors import KimiError, OutputError
 from .atomic import removed_on_failure
+from .direct_io import SequentialWriter
 from .gguf_file import row_nbytes
 from .gguf_values import problem as value_problem
 from .output_paths import check_existing, create, partial_path
@@ -156,11 +157,10 @@ def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor
     except OSError as exc:
         raise OutputError(f"writing {out} failed: {exc}") from None
     with removed_on_failure(tmp, out):
-        with fout:
-            fout.write(header)
-            _write_data(fout, layout, GGUF_DEFAULT_ALIGNMENT, chunks_for)
-            fout.flush()
-            os.fsync(fout.fileno())
+        with fout, SequentialWriter(fout.fileno()) as w:
+            w.write(header)
+            _write_data(w, layout, GGUF_DEFAULT_ALIGNMENT, chunks_for)
+            w.finish()
         check_existing(out, overwrite)
         os.replace(tmp, out)
         _fsync_dir(out.parent)

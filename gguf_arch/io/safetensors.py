@@ -12,6 +12,7 @@ shape == byte length) need the raw header anyway.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
+from .direct_io import DIRECT_READ_MIN, open_direct, pread_direct
 from .jsonfile import NotRegularFile, open_regular, read_json
 from .pipeline import ahead
 
@@ -176,15 +178,14 @@ def shard_stamp(path: Path) -> Stamp:
 WHOLE_BYTES = 16 << 20
 
 
-def _pread_into(fd: int, buf: np.ndarray, offset: int, where: str, shard_size: int) -> None:
-    """Fill `buf` from `offset`; a short read is a truncated shard, never a SIGBUS."""
+def _pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill `buf` from `offset`; EOFError(the file's size) when the file ends first."""
     view = memoryview(buf).cast("B")
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise CheckpointError(f"{where}: the shard ends at byte {offset + done}, its header said {shard_size} "
-                                  "bytes (truncated while it was being read?)")
+            raise EOFError(os.fstat(fd).st_size)
         done += n
 
 
@@ -268,6 +269,7 @@ class Checkpoint:
         self.entries = entries
         self.stamps = stamps or {}
         self._fds: dict[str, int] = {}
+        self._direct_fds: dict[str, int | None] = {}  # the same shards read around the page cache
 
     @property
     def metas(self) -> dict[str, TensorMeta]:
@@ -279,14 +281,38 @@ class Checkpoint:
             fd = self._fds[shard] = open_regular(self.model_dir / shard)
         return fd
 
+    def _direct_fd(self, shard: str) -> int | None:
+        if shard not in self._direct_fds:
+            self._direct_fds[shard] = open_direct(self._fd(shard), self.model_dir / shard)
+        return self._direct_fds[shard]
+
     def read_range(self, e: TensorEntry, first: int, count: int) -> np.ndarray:
-        """Elements [first, first + count) of the tensor, flat, in a new read-only array."""
+        """Elements [first, first + count) of the tensor, flat, in a new read-only array; a short
+        read is a truncated shard (a CheckpointError), never a SIGBUS."""
         dt = NUMPY_DTYPES[e.meta.dtype]
-        buf = np.empty(count, dtype=dt)
-        want = self.stamps.get(e.shard)
-        _pread_into(self._fd(e.shard), buf, e.start + first * dt.itemsize, f"{self.model_dir / e.shard}: tensor "
-                    f"{e.name}", want[1] if want else -1)
+        offset = e.start + first * dt.itemsize
+        try:
+            buf = self._read(e.shard, offset, count, dt)
+        except EOFError as end:
+            want = self.stamps.get(e.shard)
+            raise CheckpointError(f"{self.model_dir / e.shard}: tensor {e.name}: the shard ends at byte "
+                                  f"{end.args[0]}, its header said {want[1] if want else -1} bytes "
+                                  "(truncated while it was being read?)") from None
         buf.flags.writeable = False
+        return buf
+
+    def _read(self, shard: str, offset: int, count: int, dt: np.dtype) -> np.ndarray:
+        direct = self._direct_fd(shard) if count * dt.itemsize >= DIRECT_READ_MIN else None
+        if direct is not None:
+            try:
+                return np.frombuffer(pread_direct(direct, offset, count * dt.itemsize), dt)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_fds[shard] = None  # accepted the flag, refuses the read: buffered from now on
+                os.close(direct)
+        buf = np.empty(count, dtype=dt)
+        _pread_into(self._fd(shard), buf, offset)
         return buf
 
     def array(self, name: str) -> np.ndarray | ShardArray:
@@ -315,9 +341,11 @@ class Checkpoint:
         return self.entries[name].meta.dtype, self.array(name)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        for fd in [*self._fds.values(), *self._direct_fds.values()]:
+            if fd is not None:
+                os.close(fd)
         self._fds.clear()
+        self._direct_fds.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self
