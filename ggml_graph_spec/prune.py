@@ -221,11 +221,12 @@ def prune_gguf(src: SourceGGUF, out: Path, local: Kept, *, overwrite: bool = Fal
             yield chunk
     try:
         write_gguf(out, layout, counted, overwrite)
+        write_manifest(out, hasher.digests)
     finally:
+        hasher.close()
         bar.close()
         for fd in fds:
             os.close(fd)
-    write_manifest(out, hasher.digests)
 
 
 # ---- command line ----------------------------------------------------------------------------

@@ -66,24 +66,43 @@ HASH_AHEAD = 2
 
 
 class TensorHasher:
-    """Wraps the writer's `chunks_for` so each tensor's bytes are hashed as they stream past."""
+    """Wraps the writer's `chunks_for` so each tensor's bytes are hashed as they stream past.
+
+    SHA-256 runs on one thread of its own for the whole file (hashlib releases the GIL on large
+    buffers), in chunk order, so hashing overlaps the production of the next chunk, and of the
+    next tensor: a tensor's digest is taken on that thread after its last chunk, not waited for.
+    `digests` waits for every tensor handed out so far."""
 
     def __init__(self) -> None:
-        self.digests: list[TensorDigest] = []
+        self._digests: list[TensorDigest] = []
+        self._worker = SerialWorker(HASH_AHEAD)
 
     def wrap(self, chunks_for: Callable) -> Callable:
         def hashed(t) -> Iterator:
-            # SHA-256 runs on a thread of its own (hashlib releases the GIL on large buffers), in
-            # chunk order, so hashing overlaps the repack of the next chunk instead of adding to it.
             h, n = hashlib.sha256(), 0
-            with SerialWorker(HASH_AHEAD) as hasher:
-                for chunk in chunks_for(t):
-                    hasher.submit(h.update, chunk)
-                    n += memoryview(chunk).nbytes
-                    yield chunk
-                hasher.drain()
-            self.digests.append(TensorDigest(t.name, t.ggml_type.name, n, h.hexdigest()))
+            for chunk in chunks_for(t):
+                self._worker.submit(h.update, chunk)
+                n += memoryview(chunk).nbytes
+                yield chunk
+            self._worker.submit(self._record, t, n, h)
         return hashed
+
+    def _record(self, t, n: int, h) -> None:
+        self._digests.append(TensorDigest(t.name, t.ggml_type.name, n, h.hexdigest()))
+
+    @property
+    def digests(self) -> list[TensorDigest]:
+        self._worker.drain()
+        return self._digests
+
+    def close(self) -> None:
+        self._worker.__exit__(None, None, None)
+
+    def __enter__(self) -> "TensorHasher":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def _data_start(reader: GGUFReader) -> int:

@@ -36,8 +36,20 @@ def _bad_units(qtype: Q, units: np.ndarray) -> np.ndarray:
     return bad
 
 
+# The quick pass runs over slices of this many bytes: its temporaries then come from malloc's
+# free lists. Chunk-sized temporaries (16 MiB) were fresh pages each time, zero-filled by the
+# kernel: 12% of the converter's CPU time in perf (clear_page_erms under this scan).
+_SLICE_BYTES = 64 << 10
+
+
 def _any_bad(qtype: Q, units: np.ndarray) -> bool:
-    """A quick first pass for the common case, no bad unit: one reduction, no full-size mask."""
+    """A quick first pass for the common case, no bad unit: reductions over small slices, no
+    full-size mask."""
+    rows = max(1, _SLICE_BYTES // max(1, units.shape[1]))
+    return any(_any_bad_slice(qtype, units[i:i + rows]) for i in range(0, len(units), rows))
+
+
+def _any_bad_slice(qtype: Q, units: np.ndarray) -> bool:
     flat = units.reshape(-1)  # 1-D: numpy reduces an [n, 1] view 3x slower (measured)
     if qtype == Q.BF16:
         return int(np.max(flat.view("<u2") & np.uint16(0x7FFF), initial=0)) >= 0x7F80

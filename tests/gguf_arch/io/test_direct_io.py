@@ -75,7 +75,7 @@ def test_a_refused_direct_io_falls_back_to_the_page_cache(tmp_path, monkeypatch)
     chunks = _chunks(3, 5 * STAGING + 17)
     assert _write(tmp_path / "out", chunks) is False
     assert (tmp_path / "out").read_bytes() == b"".join(chunks)
-    assert calls[:2] == [0, 0]  # the refused write is redone, buffered
+    assert calls[0] == 0 and calls.count(0) == 2  # the refused write is redone, buffered (writes overlap)
 
 
 def test_other_write_errors_are_raised(tmp_path, monkeypatch):
