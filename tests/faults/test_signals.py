@@ -31,15 +31,20 @@ def _wait_for(cond, what: str, timeout: float = 60) -> None:
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)],
                          ids=["SIGTERM", "SIGHUP", "SIGINT"])
 def test_stop_signal_mid_write_leaves_nothing_and_says_so(tmp_path, sig, code):
-    out = tmp_path / "o.gguf"
-    proc = start_cli(K3_TINY, out, "--quiet", prelude=SLOW)
-    _wait_for(lambda: partial_path(out).exists() and partial_path(out).stat().st_size > 4096, "the partial file")
+    """Mid-write: the partial file exists and tensors have gone to the writer (the progress log
+    says so; the partial's size does not: the writer stages 8 MiB before its first write)."""
+    out_dir, log = tmp_path / "out", tmp_path / "progress.jsonl"
+    out_dir.mkdir()
+    out = out_dir / "o.gguf"
+    proc = start_cli(K3_TINY, out, "--quiet", "--log-json", log, prelude=SLOW)
+    _wait_for(lambda: partial_path(out).exists() and log.exists() and log.read_text().count("\n") >= 3,
+              "the partial file and tensors written to it")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     assert err.count("\n") == 1 and err.startswith(f"error: interrupted ({signal.Signals(sig).name}); "), err
     assert "no output written" in err and "--resume has nothing to keep" in err
-    assert list(tmp_path.iterdir()) == []  # no partial, no manifest, no lock file
+    assert list(out_dir.iterdir()) == []  # no partial, no manifest, no lock file
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "SIGTERM"])
