@@ -6,9 +6,10 @@ On one synthetic K3 checkpoint in the real on-disk format (`kimi-k3-synth --pres
 --variant k3`: real hidden size 7168, real expert shapes, 4 layers, 16 MXFP4 experts by default,
 6.6 GB; ~17 GB free needed with the half-experts checkpoint and one output), in one run, each into
 WORKDIR/out on the same filesystem, the page cache dropped (root) before each from-disk step:
-  read_only   `cat` of the shards to /dev/null;  write_only  `dd` of the output size, fsync'd,
-              buffered and with oflag=direct (the faster counts: on this project's machine a
-              buffered write costs ~10x the time and ~3 CPU-s per GB of kernel copies):
+  read_only   the shards to /dev/null, `cat` and `dd iflag=direct`;  write_only  `dd` of the
+              output size, fsync'd, buffered and with oflag=direct (the faster of each pair
+              counts: on this project's machine buffered I/O has cost up to ~10x the time and
+              ~3 CPU-s per GB of kernel copies, erratically):
               ratio_to_read_bound = ours / max(read_only, write_only), the converter's distance
               from the physical limit of any converter;
   copy, ours  `cp` of the shards and `convert_kimi_k3.py MODEL OUT.gguf --quiet [--threads N]`,
@@ -246,11 +247,16 @@ def projection(cpu_s_per_gb: float, cores: int, total_tb: float = 1.56) -> dict:
 
 
 def bounds(model: Path, nbytes: int, out: Path) -> dict:
-    """From disk: the read-only time of the shards (`cat > /dev/null`) and the write-only time
-    of `nbytes` (`dd` from /dev/zero, fsync'd), through the page cache and around it
-    (`oflag=direct`); write_only is the faster of the two: the physical limit of any converter."""
-    prepare_cache(model, cold=True)
-    read = measure(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, _shards(model))], nbytes)
+    """From disk: the read-only time of the shards (`cat > /dev/null`, and `dd iflag=direct`) and
+    the write-only time of `nbytes` (`dd` from /dev/zero, fsync'd), through the page cache and
+    around it (`oflag=direct`); each the faster of its two: the physical limit of any converter."""
+    reads = {}
+    for method, cmd in (("buffered", 'cat "$@" > /dev/null'),
+                        ("direct", 'for f; do dd if="$f" of=/dev/null bs=16M iflag=direct status=none; done')):
+        prepare_cache(model, cold=True)
+        reads[method] = measure(["sh", "-c", cmd, "read", *map(str, _shards(model))], nbytes)
+    read = min(reads.values(), key=lambda r: r["wall_s"])
+    read = {**read, "method": min(reads, key=lambda k: reads[k]["wall_s"])}
     writes = {}
     for method, flags in (("buffered", []), ("direct", ["oflag=direct"])):
         prepare_cache(model, cold=True)
@@ -259,7 +265,8 @@ def bounds(model: Path, nbytes: int, out: Path) -> dict:
                                   *flags, "conv=fsync", "status=none"], nbytes)
     shutil.rmtree(out, ignore_errors=True)
     best = min(writes, key=lambda k: writes[k]["wall_s"])
-    return {"read_only": read, "write_only": {**writes[best], "method": best},
+    return {"read_only": read, "read_only_buffered": reads["buffered"], "read_only_direct": reads["direct"],
+            "write_only": {**writes[best], "method": best},
             "write_only_buffered": writes["buffered"], "write_only_direct": writes["direct"]}
 
 
@@ -373,7 +380,8 @@ def _print_summary(r: dict) -> None:
     print("CPU-s per GB: " + ", ".join(f"{k} {v}" for k, v in st.items()) + f"; total {r['stages']['total_cpu_s_per_gb']}",
           file=sys.stderr)
     d, c, w = r["disk_bounds"], r["from_disk"], r["page_cache"]
-    print(f"from disk: read-only {d['read_only']['wall_s']} s, write-only {d['write_only']['wall_s']} s "
+    print(f"from disk: read-only {d['read_only']['wall_s']} s ({d['read_only']['method']}; buffered "
+          f"{d['read_only_buffered']['wall_s']} s), write-only {d['write_only']['wall_s']} s "
           f"({d['write_only']['method']}; buffered {d['write_only_buffered']['wall_s']} s), "
           f"cp {c['copy']['wall_s']} s, ours {c['ours']['wall_s']} s: ratio_to_read_bound {r['ratio_to_read_bound']}, "
           f"ours/cp {c['ours_time_vs_copy']}; page cache: cp {w['copy']['wall_s']} s, ours {w['ours']['wall_s']} s, "
