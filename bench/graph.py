@@ -60,9 +60,9 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from plotting import pyplot  # bench/, this script's folder
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script or imported as bench.graph: bench.plotting either way
+from bench.plotting import pyplot  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 SYNTH = ["--preset", "large", "--experts", "8"]
 TOP_K_FRACTION = 8  # top_k = context / 8 in the context sweep

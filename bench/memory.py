@@ -34,7 +34,7 @@ import convert_kimi_k3  # noqa: E402
 from gguf_arch.synth.cli import main as synth_main  # noqa: E402
 from ggml_graph_spec.memory.budget import ExpertSizes, plan_budget  # noqa: E402
 from ggml_graph_spec.memory.doctor import read_speed  # noqa: E402
-from plotting import pyplot  # noqa: E402  (bench/, this script's folder)
+from bench.plotting import pyplot  # noqa: E402
 
 CHILD = """
 import json, sys, time, numpy as np
