@@ -11,9 +11,9 @@ and the caller gets a view of the bytes it asked for: no copy. Small reads stay 
 kernel's read-ahead serves runs of small tensors better than one device round trip each).
 
 Writes (`SequentialWriter`): O_DIRECT wants the buffer address, the file offset and the length
-aligned to the device's block. Chunks of any size are therefore copied into page-aligned staging buffers (anonymous
-mmap) and written a whole buffer at a time by one thread, so the disk writes one buffer while
-the caller fills the next. The last, partial block is padded with zeros, written, and the file
+aligned to the device's block. Chunks of any size are therefore copied into page-aligned
+staging buffers (anonymous mmap) and written a whole buffer at a time, two writes in flight, so
+the disk writes while the caller fills the next buffer. The last, partial block is padded with zeros, written, and the file
 is cut back to its true size. Where the file system refuses O_DIRECT (tmpfs, some network file
 systems: EINVAL on the flag or on the first write) the same writes go through the page cache.
 """
@@ -39,6 +39,7 @@ STAGING_BUFFERS = 3
 WRITERS = 2
 # Reads from this size up go around the page cache.
 DIRECT_READ_MIN = 1 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none
 
 
 def _aligned(owner: np.ndarray, size: int) -> np.ndarray:
@@ -50,11 +51,10 @@ def _aligned(owner: np.ndarray, size: int) -> np.ndarray:
 def open_direct(fd: int, path) -> int | None:
     """A second descriptor of the file open as `fd`, reading around the page cache; None where
     the file system refuses O_DIRECT or `path` is no longer that file."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
+    if not _O_DIRECT:
         return None
     try:
-        direct = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flag)
+        direct = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -67,7 +67,7 @@ def open_direct(fd: int, path) -> int | None:
 
 
 def pread_direct(fd: int, offset: int, nbytes: int) -> memoryview:
-    """`nbytes` from `offset` of an O_DIRECT descriptor, as a view into a fresh page-aligned buffer.
+    """`nbytes` from `offset` of an O_DIRECT descriptor, as a view into a fresh block-aligned buffer.
     EOFError(the file's size) when the file ends first; OSError(EINVAL) where the file system
     accepted the flag but refuses the read (the caller reads buffered instead)."""
     start = offset - offset % BLOCK
@@ -129,7 +129,7 @@ class SequentialWriter:
         os.fsync(self._fd)
 
     def close(self) -> None:
-        """Stop the writer thread (waiting for its write) and free the buffers; no error raised here."""
+        """Stop the writer threads (waiting for their writes) and free the buffers; no error raised here."""
         self._pool.shutdown(wait=True)
         self._pending = [None] * STAGING_BUFFERS
         for buf in self._buffers:
@@ -145,7 +145,7 @@ class SequentialWriter:
         self.close()
 
     def _flush(self, nbytes: int) -> None:
-        """Hand the current buffer's first `nbytes` to the writer thread; switch to the other buffer."""
+        """Hand the current buffer's first `nbytes` to a writer thread; switch to the next buffer."""
         if nbytes:
             view = memoryview(self._buffers[self._current])[:nbytes]
             self._pending[self._current] = self._pool.submit(self._pwrite, view, self._flushed)
@@ -182,12 +182,11 @@ class SequentialWriter:
 
 def _set_direct(fd: int, on: bool) -> bool:
     """Turn O_DIRECT on or off for `fd`; returns whether it is on (False where unsupported)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
+    if not _O_DIRECT:
         return False
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | flag) if on else (flags & ~flag))
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise

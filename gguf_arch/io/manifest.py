@@ -96,7 +96,7 @@ class TensorHasher:
         return self._digests
 
     def close(self) -> None:
-        self._worker.__exit__(None, None, None)
+        self._worker.close()
 
     def __enter__(self) -> "TensorHasher":
         return self

@@ -39,6 +39,10 @@ class SerialWorker:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the thread once the submitted calls have run (their errors are not raised here)."""
         self._pool.shutdown(wait=True)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
