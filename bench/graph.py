@@ -10,8 +10,9 @@ indexer kept) and with `--no-dsa`, which llama.cpp can load. Then, each in a pro
 
   speed    on the --no-dsa GGUF, same thread count: prompt processing (one batch of --prompt
            tokens from an empty cache) and decode (--gen tokens one at a time after it), tokens/s,
-           for our fast path with the weights mapped from the file (the default), our fast path
-           with `repack` (the routed experts copied into ggml's CPU_REPACK layout) and llama.cpp
+           for our fast path as it loads by default (as llama.cpp's, the routed experts copied
+           into ggml's CPU_REPACK layout when the GGUF fits in memory, which it does here), our
+           fast path with every weight mapped from the file (`repack=False`, `-nr`) and llama.cpp
            (llama-cpp-python with its defaults: flash attention on, F16 cache, repacked
            experts), each process's peak RSS (ru_maxrss). Every process first evaluates one
            token, which pages the mapped weights in; the best of --repeats runs counts. Ours
@@ -117,7 +118,7 @@ def child_ours(a: argparse.Namespace) -> dict:
     import ggml
 
     from ggml_graph_spec.model import Model
-    repack = a.child == "ours-repack"
+    repack = False if a.child == "ours-mapped" else None  # None: the default (repack.choose_repack)
     loaded = []
 
     def load():
@@ -127,6 +128,7 @@ def child_ours(a: argparse.Namespace) -> dict:
     r = _speed(load, lambda m, ids: m.eval(ids), lambda m: m.reset(), a)
     r["llamafile_sgemm"] = bool(ggml.ggml_cpu_has_llamafile())
     r["repacked_tensors"] = len(loaded[0].weights.repacked)
+    r["repack_why"] = loaded[0].weights.repack_why
     return r
 
 
@@ -333,7 +335,7 @@ def kernel_ops(m, contexts: list[int]) -> dict:
     return out
 
 
-CHILDREN = {"ours": child_ours, "ours-repack": child_ours, "llama": child_llama, "contexts": child_contexts,
+CHILDREN = {"ours": child_ours, "ours-mapped": child_ours, "llama": child_llama, "contexts": child_contexts,
             "ops": child_ops}
 
 
@@ -430,13 +432,14 @@ def plot(ctx: dict, path: Path) -> None:
 def report(result: dict) -> None:
     """The speed ratios, the gather/masked ratios by context, the crossovers and the per-op table."""
     s, ctx = result["speed"], result["contexts"]
-    ours, repack, llama = s["ours"], s["ours_repack"], s["llama_cpp"]
-    print(f"ours: llamafile sgemm {ours['llamafile_sgemm']}, with repack {repack['repacked_tensors']} tensors repacked")
-    print(f"prompt processing: ours {ours['pp_tok_s']:.2f} tok/s ({s['pp_ratio']:.2f}x), repack {repack['pp_tok_s']:.2f} "
-          f"tok/s ({s['repack_pp_ratio']:.2f}x), llama.cpp {llama['pp_tok_s']:.2f} tok/s (1.00x)")
-    print(f"decode:            ours {ours['tg_tok_s']:.2f} tok/s ({s['decode_ratio']:.2f}x), repack {repack['tg_tok_s']:.2f} "
-          f"tok/s ({s['repack_decode_ratio']:.2f}x), llama.cpp {llama['tg_tok_s']:.2f} tok/s (1.00x)")
-    print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, repack {repack['peak_rss_mib']:.0f} MiB, "
+    ours, mapped, llama = s["ours"], s["ours_mapped"], s["llama_cpp"]
+    print(f"ours: llamafile sgemm {ours['llamafile_sgemm']}, default: {ours['repacked_tensors']} tensors repacked "
+          f"({ours['repack_why']})")
+    print(f"prompt processing: ours {ours['pp_tok_s']:.2f} tok/s ({s['pp_ratio']:.2f}x), mapped {mapped['pp_tok_s']:.2f} "
+          f"tok/s ({s['mapped_pp_ratio']:.2f}x), llama.cpp {llama['pp_tok_s']:.2f} tok/s (1.00x)")
+    print(f"decode:            ours {ours['tg_tok_s']:.2f} tok/s ({s['decode_ratio']:.2f}x), mapped {mapped['tg_tok_s']:.2f} "
+          f"tok/s ({s['mapped_decode_ratio']:.2f}x), llama.cpp {llama['tg_tok_s']:.2f} tok/s (1.00x)")
+    print(f"peak RSS:          ours {ours['peak_rss_mib']:.0f} MiB, mapped {mapped['peak_rss_mib']:.0f} MiB, "
           f"llama.cpp {llama['peak_rss_mib']:.0f} MiB")
     for i, (n, k) in enumerate(zip(ctx["contexts"], ctx["top_k"])):
         print(f"N {n:6d} top_k {k:5d}: gather/masked decode fast {ctx['gather']['decode_s'][i] / ctx['masked']['decode_s'][i]:.2f}, "
@@ -487,12 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = os.getloadavg()  # other processes on the machine make every timing slower
     dsa, no_dsa = prepare(a.workdir)
     print(f"speed on {no_dsa.name}, {a.threads} threads", file=sys.stderr)
-    kinds = ("ours", "ours-repack", "llama")
+    kinds = ("ours", "ours-mapped", "llama")
     runs = [best_of_rounds(kind, no_dsa, a) for kind in kinds]
     for _ in range(a.rounds):  # alternate the runtimes, so that a busy period hits all of them
         for r in runs:
             next(r)
-    ours, repack, llama = (next(r) for r in runs)
+    ours, mapped, llama = (next(r) for r in runs)
     print(f"contexts on {dsa.name}", file=sys.stderr)
     ctx = run_child("contexts", dsa, a)
     print(f"per-op profile on {dsa.name}", file=sys.stderr)
@@ -502,10 +505,10 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_features": cpu_features(), "load_average_at_start": load_at_start,
                     "load_average_at_end": os.getloadavg()},
         "checkpoint": {"synth": SYNTH, "gguf_bytes": {no_dsa.name: no_dsa.stat().st_size, dsa.name: dsa.stat().st_size}},
-        "speed": {"threads": a.threads, "gguf": no_dsa.name, "ours": ours, "ours_repack": repack, "llama_cpp": llama,
+        "speed": {"threads": a.threads, "gguf": no_dsa.name, "ours": ours, "ours_mapped": mapped, "llama_cpp": llama,
                   "decode_ratio": ours["tg_tok_s"] / llama["tg_tok_s"], "pp_ratio": ours["pp_tok_s"] / llama["pp_tok_s"],
-                  "repack_decode_ratio": repack["tg_tok_s"] / llama["tg_tok_s"],
-                  "repack_pp_ratio": repack["pp_tok_s"] / llama["pp_tok_s"]},
+                  "mapped_decode_ratio": mapped["tg_tok_s"] / llama["tg_tok_s"],
+                  "mapped_pp_ratio": mapped["pp_tok_s"] / llama["pp_tok_s"]},
         "contexts": ctx, "crossover_context": {**{key: crossover(ctx, key) for key in TIMINGS},
                                                         **{key: crossover(ctx["kernel"], key) for key in KERNEL_TIMINGS}}, "decode_ops": ops,
     }

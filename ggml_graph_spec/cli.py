@@ -31,6 +31,7 @@ from .memory.budget import add_budget_argument
 from .memory.streaming import StreamingExecutor
 from .model import Model
 from .perplexity import chunk_count, perplexity
+from .repack import add_repack_arguments, resolve_repack
 from .sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP, DEFAULT_TOP_K,
                        DEFAULT_TOP_P, Sampler, SamplingParams)
 from .tokenizer import BPETokenizer
@@ -112,9 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the faster one)")
     p.add_argument("--exact-experts", action="store_true",
                    help="exact path: F32 activations in every matmul, F32 caches, no flash attention")
-    p.add_argument("--repack", action="store_true",
-                   help="copy the routed experts into ggml's repacked MXFP4 layout, as llama.cpp does by default: "
-                        "faster MoE matmuls, anonymous memory the size of the experts (fast path only)")
+    add_repack_arguments(p)
     p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
                    help="spread the layers over these ggml RPC servers (started with kimi-k3-rpc-server) and "
                         "this host")
@@ -176,7 +175,9 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
         _context_size(args.ctx_size, cfg)
         check_dsa(args.dsa, args.dsa_path, cfg, str(args.model))
         return meta, cfg
-    weights = load_gguf(args.model, repack=args.repack, adjust=adjust)
+    repack = resolve_repack(args.repack, exact=args.exact_experts, rpc=args.rpc is not None,
+                            mem_budget=args.mem_budget is not None)
+    weights = load_gguf(args.model, repack=repack, adjust=adjust)
     try:
         tokenizer = BPETokenizer.from_gguf(weights.reader)
         for attr, value in tokenizer_settings(overrides).items():
@@ -219,7 +220,8 @@ def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) ->
                  "activations for quantized weights, F16 latent cache)"),
         ("ggml CPU", f"llamafile sgemm {'on' if ggml.ggml_cpu_has_llamafile() else 'off (slower prompt batches)'}; "
                      + (f"{len(w.repacked)} expert tensors repacked ({human_size(w.repacked_bytes)})"
-                        if w.repacked else "weights mapped from the file, none repacked")),
+                        if w.repacked else "weights mapped from the file, none repacked")
+                     + (f" ({w.repack_why})" if w.repack_why else "")),
         ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
     ]
     if model.devices is not None:

@@ -35,7 +35,7 @@ from gguf_arch.io.split_names import part_paths
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES
 from quant_rules.rules import EXPERT_TYPES, WRITABLE_TYPES
 
-from .repack import Repacked, Source, repack_experts
+from .repack import Repacked, Source, choose_repack, repack_experts
 
 # Types a "source precision" tensor (matrices, embeddings) may have: every type the converter
 # can write (quant_rules: --outtype / --tensor-type) plus those kimi-k3-quantize has
@@ -146,6 +146,7 @@ class GGUFWeights:
     _ctx: Any = field(repr=False)
     _repacked: Repacked | None = field(default=None, repr=False)
     notes: tuple[str, ...] = ()  # what the runner says about how the file was read
+    repack_why: str = ""  # why the experts are repacked or not: the option, or the default's reason
 
     @property
     def reader(self) -> GGUFReader:
@@ -221,10 +222,23 @@ def _source(files: list[_MappedFile], found: Mapping[str, tuple[int, Any]], name
 Adjust = Callable[[dict[str, Any], K3Config], tuple[dict[str, Any], K3Config]]
 
 
-def load_gguf(path: Path | str, *, repack: bool = False, adjust: Adjust | None = None) -> GGUFWeights:
+def _repack(files: list[_MappedFile], found: Mapping[str, tuple[int, Any]], present: list, repack: bool | None,
+            where: str) -> tuple[Repacked | None, str]:
+    """The routed experts repacked or not (None: as choose_repack says), and why."""
+    why = "--repack" if repack else ""
+    if repack is None:
+        repack, why = choose_repack(sum(f.reader.data.nbytes for f in files))
+    if not repack:
+        return None, why
+    sources = [_source(files, found, p.name) for p in present if p.spec.out == OUT_MXFP4]
+    return repack_experts(sources, where), why
+
+
+def load_gguf(path: Path | str, *, repack: bool | None = False, adjust: Adjust | None = None) -> GGUFWeights:
     """Open, validate and map a kimi-k3 GGUF (single file or the first file of a split).
 
-    repack: copy the routed experts into ggml's repacked layout (module docstring). adjust:
+    repack: copy the routed experts into ggml's repacked layout (module docstring); None: when
+    the GGUF fits in memory (repack.choose_repack), as the runner's default. adjust:
     (metadata, config) -> (metadata, config), run after every check and before the first ggml
     object, so what it refuses (the runner's --override-kv) never reaches ggml."""
     path = Path(path)
@@ -246,8 +260,7 @@ def load_gguf(path: Path | str, *, repack: bool = False, adjust: Adjust | None =
 
     files = [_MappedFile.wrap(r) for r in readers]
     try:
-        repacked = repack_experts([_source(files, found, p.name) for p in present if p.spec.out == OUT_MXFP4],
-                                  str(path)) if repack else None
+        repacked, why = _repack(files, found, present, repack, str(path))
     except GGUFError:
         for f in files:
             ggml.ggml_backend_buffer_free(f.buffer)
@@ -263,4 +276,4 @@ def load_gguf(path: Path | str, *, repack: bool = False, adjust: Adjust | None =
         tensors[p.name] = gt
     if repacked is not None:
         tensors.update(repacked.tensors)
-    return GGUFWeights(path, cfg, meta, tensors, files, ctx, repacked, notes)
+    return GGUFWeights(path, cfg, meta, tensors, files, ctx, repacked, notes, why)

@@ -37,6 +37,7 @@ from .loader import GGUFWeights, load_gguf
 from .memory.budget import parse_size
 from .memory.streaming import StreamingExecutor
 from .placement import OUTPUT_SEGMENT
+from .repack import resolve_repack
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py, on AVX2 (attention kernel 0.41-0.96x of masked on the fast path,
@@ -194,7 +195,7 @@ class Model:
     @classmethod
     def load(cls, path: Path | str, *, n_ctx: int, exact_experts: bool = False, dsa: bool = True,
              top_k: int | None = None, n_threads: int | None = None, n_batch: int | None = None,
-             dsa_path: str | None = None, repack: bool = False, rpc: str | Sequence[str] = (),
+             dsa_path: str | None = None, repack: bool | None = None, rpc: str | Sequence[str] = (),
              tensor_split: str | Sequence[float] | None = None, progress: bool = False,
              mem_budget: int | str | None = None) -> "Model":
         """Open and validate a kimi-k3 GGUF.
@@ -208,7 +209,9 @@ class Model:
         dsa_path: "gather" attends over only the top_k selected cache rows of each query, "masked"
         over the whole cache with the selection as a mask (same logits to f32 rounding);
         None: DEFAULT_DSA_PATH. repack: the routed experts in ggml's repacked
-        layout (faster MoE matmuls, anonymous memory the size of the experts; fast path only).
+        layout (faster MoE matmuls, anonymous memory the size of the experts; fast path only);
+        None, the default: as llama.cpp, where the whole GGUF fits in memory, on the fast path
+        without rpc or mem_budget (repack.resolve_repack and choose_repack).
         rpc: ggml RPC servers ("host:port", started with kimi-k3-rpc-server) to spread the layers
         over, with the local CPU last; tensor_split: one proportion per server then the CPU
         (default: their free memory), see devices.py. A server unreachable at load is an RpcError;
@@ -220,7 +223,8 @@ class Model:
         """
         if repack and exact_experts:
             raise EvalError("repack applies to the fast path; the exact path reads the experts from the file")
-        weights = load_gguf(path, repack=repack)
+        weights = load_gguf(path, repack=resolve_repack(repack, exact=exact_experts, rpc=bool(rpc),
+                                                        mem_budget=mem_budget is not None))
         if not 1 <= n_ctx <= weights.cfg.context_length:
             weights.close()
             raise EvalError(f"{path}: n_ctx must be in 1..{weights.cfg.context_length}, got {n_ctx}")

@@ -1,13 +1,19 @@
-"""The routed experts in ggml's repacked layout (opt-in: `load_gguf(..., repack=True)`).
+"""The routed experts in ggml's repacked layout (`load_gguf(..., repack=...)`).
 
 ggml's CPU backend has an extra buffer type, CPU_REPACK, that stores MXFP4 in the interleaved
 8x8 layout its AVX2 gemm/gemv kernels read (4x4 on NEON); llama.cpp puts its weights there by
 default (`--no-repack` turns it off). Setting a tensor in that buffer repacks it, so the copy
 costs anonymous memory the size of the experts (the bulk of the model) and one pass over them
 at load time. ggml decides which tensors it can repack on this CPU; the others stay mapped.
+
+The runner's default follows llama.cpp's where it can (`resolve_repack`, `choose_repack`): the
+fast path on this host's CPU repacks when the whole GGUF fits in the memory this process may use;
+a model bigger than that stays mapped (anonymous copies cannot be paged back to the file), as do
+the exact path, --rpc and --mem-budget, which read the experts from the file.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import mmap
 import sys
@@ -18,6 +24,12 @@ import ggml
 
 from gguf_arch.io.console import human_size
 from gguf_arch.errors import GGUFError
+
+from .memory.host import usable_memory
+
+# The GGUF must fit in this share of the usable memory for the default to repack: the rest is for
+# the caches, the compute buffers and what else runs (llama.cpp repacks whatever the size).
+REPACK_FITS = 0.9
 
 _last_log_level = ggml.GGML_LOG_LEVEL_INFO
 
@@ -101,6 +113,33 @@ def _alloc_in(buft: int, sources: list[Source], where: str) -> tuple[Any, Any, d
         raise GGUFError(f"{where}: cannot allocate {human_size(need)} for the repacked experts; "
                         "load without repack (the experts are then read from the mapped file)")
     return ctx, buffer, tensors
+
+
+def add_repack_arguments(p: argparse.ArgumentParser) -> None:
+    """The runner's --repack / -nr (llama.cpp's names); unset is None: the default below."""
+    p.add_argument("--repack", action="store_true", default=None,
+                   help="copy the routed experts into ggml's repacked MXFP4 layout (faster MoE matmuls, anonymous "
+                        "memory the size of the experts; fast path only). Default, as llama.cpp: on when the "
+                        "GGUF fits in memory and neither --exact-experts, --rpc nor --mem-budget is given")
+    p.add_argument("-nr", "--no-repack", dest="repack", action="store_false",
+                   help="keep every weight in the mapped file, no copy")
+
+
+def resolve_repack(repack: bool | None, *, exact: bool, rpc: bool, mem_budget: bool) -> bool | None:
+    """The runner's repack option (None: the default) as load_gguf takes it: False where the
+    experts are read from the file (exact path, --rpc, --mem-budget), None there to choose."""
+    if repack is None and (exact or rpc or mem_budget):
+        return False
+    return repack
+
+
+def choose_repack(gguf_bytes: int) -> tuple[bool, str]:
+    """The default's choice for a GGUF of this size, and why (for the print_info line)."""
+    usable = usable_memory()
+    if gguf_bytes <= REPACK_FITS * usable:
+        return True, f"default: the {human_size(gguf_bytes)} GGUF fits in {human_size(usable)} usable; -nr keeps them mapped"
+    return False, (f"default: the {human_size(gguf_bytes)} GGUF is more than {REPACK_FITS:.0%} of the "
+                   f"{human_size(usable)} usable; --repack forces it")
 
 
 def repack_experts(sources: list[Source], where: str) -> Repacked | None:

@@ -24,6 +24,7 @@ from gguf_arch.io.console import ArgumentParser
 
 from ..loader import load_gguf
 from .budget import PRESETS, BudgetError, plan_budget
+from .host import cgroup_limit, usable_memory
 from .streaming import LayerFiles
 
 _CHUNK = 8 << 20
@@ -48,22 +49,6 @@ def read_speed(paths: Sequence[str]) -> float:
     return done / max(time.perf_counter() - start, 1e-9)
 
 
-def cgroup_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2 memory.max or v1 limit_in_bytes), if any."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, group = line.split(":", 2)
-        if not controllers:
-            f = Path("/sys/fs/cgroup") / group.lstrip("/") / "memory.max"
-        elif "memory" in controllers.split(","):
-            f = Path("/sys/fs/cgroup/memory") / group.lstrip("/") / "memory.limit_in_bytes"
-        else:
-            continue
-        text = f.read_text().strip() if f.is_file() else "max"
-        if text != "max" and int(text) < 1 << 60:  # v1 writes "no limit" as a huge number
-            return int(text)
-    return None
-
-
 def report(path: Path) -> list[str]:
     weights = load_gguf(path)
     try:
@@ -74,9 +59,8 @@ def report(path: Path) -> list[str]:
         files.close()
     finally:
         weights.close()
-    mem, limit = psutil.virtual_memory(), cgroup_limit()
+    mem, limit, usable = psutil.virtual_memory(), cgroup_limit(), usable_memory()
     speed = read_speed(paths)
-    usable = min(mem.available, limit or mem.available)
     lines = [f"RAM          {mem.total} bytes, {mem.available} available" +
              (f", cgroup limit {limit}" if limit else ", no cgroup limit"),
              f"free disk    {shutil.disk_usage(Path(path).resolve().parent).free} bytes",

@@ -232,3 +232,19 @@ def test_doctor_reports_memory_disk_and_presets(big_gguf, split_gguf, which):
 def test_doctor_bad_input_is_one_line():
     r = _doctor("no-such.gguf")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+
+
+def test_usable_memory_is_at_most_the_cgroup_limit():
+    """The default's repack choice reads the memory a process may use: a cgroup's limit counts."""
+    limit = 512 << 20
+    group = _make_cgroup(limit)
+    try:
+        procs = group / "cgroup.procs"
+        code = "from ggml_graph_spec.memory.host import cgroup_limit, usable_memory; print(cgroup_limit(), usable_memory())"
+        r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                           text=True, timeout=TIMEOUT, preexec_fn=lambda: procs.write_text(str(os.getpid())))
+    finally:
+        group.rmdir()
+    assert r.returncode == 0, r.stderr
+    seen, usable = map(int, r.stdout.split())
+    assert seen == limit and 0 < usable <= limit

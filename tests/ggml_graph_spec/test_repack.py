@@ -100,3 +100,61 @@ def test_cli_reports_the_kernels_and_keeps_ggml_debug_lines_out(k31pro_tiny_gguf
     assert "llamafile sgemm on" in info and ("expert tensors repacked" in info or "none repacked" in info)
     # ggml logs one DEBUG line per repacked tensor; ggml_graph_spec's logger drops DEBUG
     assert "repack tensor" not in r.stderr
+
+
+def _info(gguf, *flags: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(gguf), "-p", "x", "-n", "1", "--temp", "0",
+                        "-c", "32", "-t", "2", *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return next(line for line in r.stderr.splitlines() if "ggml CPU" in line)
+
+
+def _can_repack(gguf) -> bool:
+    m = _load(gguf, repack=True)
+    try:
+        return bool(m.weights.repacked)
+    finally:
+        m.close()
+
+
+def test_default_repacks_a_gguf_that_fits_as_llama_cpp_does(k31pro_tiny_gguf):
+    """llama.cpp repacks by default (-nr turns it off); so do we where the GGUF fits in memory."""
+    if not _can_repack(k31pro_tiny_gguf):
+        pytest.skip("this CPU has no MXFP4 repack kernels in ggml")
+    info = _info(k31pro_tiny_gguf)
+    assert "expert tensors repacked" in info and "(default: the " in info and "fits in" in info, info
+    m = _load(k31pro_tiny_gguf)
+    try:
+        assert m.weights.repacked and m.weights.repack_why.startswith("default:")
+    finally:
+        m.close()
+    for flag in ("-nr", "--no-repack"):
+        assert _info(k31pro_tiny_gguf, flag).endswith("weights mapped from the file, none repacked")
+    forced = _info(k31pro_tiny_gguf, "--repack")
+    assert "expert tensors repacked (" in forced and forced.endswith(" (--repack)"), forced
+
+
+@pytest.mark.parametrize("kw", [{"exact_experts": True}, {"mem_budget": "64M"}], ids=["exact", "mem-budget"])
+def test_default_reads_the_experts_from_the_file_where_they_are_streamed_or_exact(k31pro_tiny_gguf, kw):
+    """The exact path and --mem-budget read the experts from the file: the default does not
+    repack there (and does not refuse to load, as an explicit repack would)."""
+    m = _load(k31pro_tiny_gguf, **kw)
+    try:
+        assert m.weights.repacked == () and m.weights.repack_why == ""
+    finally:
+        m.close()
+    info = _info(k31pro_tiny_gguf, *(["--exact-experts"] if "exact_experts" in kw else ["--mem-budget", "64M"]))
+    assert "none repacked" in info
+
+
+@pytest.mark.parametrize("usable,expected", [(100 << 20, True), (50 << 20, False)])
+def test_default_repacks_only_what_fits_in_usable_memory(monkeypatch, usable, expected):
+    """The rule: the GGUF within REPACK_FITS of the usable memory (RAM available, cgroup limit)."""
+    from ggml_graph_spec import repack
+    monkeypatch.setattr(repack, "usable_memory", lambda: usable)
+    size = int(repack.REPACK_FITS * (60 << 20))
+    chosen, why = repack.choose_repack(size)
+    assert chosen is expected
+    assert ("-nr keeps them mapped" if expected else "--repack forces it") in why
+    assert repack.choose_repack(int(repack.REPACK_FITS * usable))[0] is True
+    assert repack.choose_repack(int(repack.REPACK_FITS * usable) + 1)[0] is False
