@@ -1,4 +1,5 @@
-"""kimi-k3-doctor: can this machine run MODEL.gguf, and at which --mem-budget?
+"""kimi-k3-doctor: can this machine run MODEL.gguf, and at which --mem-budget? MODEL may also be
+a saved `convert_kimi_k3.py --dry-run` listing: the model sized before it is converted.
 
 Reports the RAM (and the memory cgroup's limit), the free disk, the sequential read speed of
 the GGUF's disk measured with a short bounded read (its pages dropped first, so the disk and not
@@ -22,10 +23,9 @@ import psutil
 from gguf_arch.errors import run_cli
 from gguf_arch.io.console import ArgumentParser
 
-from ..loader import load_gguf
 from .budget import PRESETS, BudgetError, plan_budget
 from .host import cgroup_limit, usable_memory
-from .streaming import LayerFiles
+from .listing import ModelLayout, gguf_layout, is_listing, listing_layout
 
 _CHUNK = 8 << 20
 _READ_BYTES = 256 << 20  # the speed test reads at most this much...
@@ -49,49 +49,86 @@ def read_speed(paths: Sequence[str]) -> float:
     return done / max(time.perf_counter() - start, 1e-9)
 
 
-def report(path: Path) -> list[str]:
-    weights = load_gguf(path)
-    try:
-        files = LayerFiles(weights)
-        layers, experts, outside = files.layer_bytes(), files.expert_bytes(), files.outside
-        sizes = files.expert_sizes(weights.cfg.num_experts_used)
-        paths = [p for p, _, _ in weights.mapped_files]
-        files.close()
-    finally:
-        weights.close()
+def report(path: Path, disk: Path | None = None) -> list[str]:
+    """The doctor's lines for a GGUF or a saved dry-run listing (memory/listing.py). The read
+    speed is measured on the GGUF's files, or on `disk` (a large file on the disk the GGUF is or
+    will be on: a listing's GGUF may not exist yet)."""
+    layout = listing_layout(path) if is_listing(path) else gguf_layout(path)
+    speed_from = [str(disk)] if disk is not None else [] if layout.planned else layout.paths
+    speed = read_speed(speed_from) if speed_from else None
     mem, limit, usable = psutil.virtual_memory(), cgroup_limit(), usable_memory()
-    speed = read_speed(paths)
+    total = sum(layout.layers) + layout.outside + layout.experts
+    where = Path(layout.paths[0]).resolve().parent
     lines = [f"RAM          {mem.total} bytes, {mem.available} available" +
              (f", cgroup limit {limit}" if limit else ", no cgroup limit"),
-             f"free disk    {shutil.disk_usage(Path(path).resolve().parent).free} bytes",
-             f"read speed   {speed / 1e6:.1f} MB/s (sequential, uncached, {len(paths)} file(s))",
-             f"weights      trunk {sum(layers) + outside} bytes, experts {experts} bytes"]
-    best = None
+             _free_disk(where, total if layout.planned else None),
+             f"read speed   {speed / 1e6:.1f} MB/s (sequential, uncached, {len(speed_from)} file(s))" if speed else
+             "read speed   not measured: the GGUF of a listing is not there yet; give --disk FILE, a large file "
+             "on the disk it will be on",
+             f"weights      trunk {sum(layout.layers) + layout.outside} bytes, experts {layout.experts} bytes"
+             + (f" (planned by {path})" if layout.planned else "")]
+    lines += _presets(layout, speed, usable)
+    return lines
+
+
+def _free_disk(where: Path, needed: int | None) -> str:
+    if not where.is_dir():
+        return f"free disk    {where} does not exist yet"
+    free = shutil.disk_usage(where).free
+    return f"free disk    {free} bytes" + ("" if needed is None else
+                                           f" in {where} ({'enough' if free >= needed else 'not enough'} for the "
+                                           f"{needed} bytes the conversion writes)")
+
+
+def _presets(layout: ModelLayout, speed: float | None, usable: int) -> list[str]:
+    """One line per preset (bytes and s/token per token), then the command to run."""
+    lines, best = [], None
     for name, budget in PRESETS.items():
         try:
-            p = plan_budget(budget, outside, layers, sizes)
-            b = p.predicted_bytes_per_token
-            lines.append(f"preset {name:<12} {budget} bytes: pins {len(p.pinned)}/{len(layers)} trunks, "
-                         f"expert cache {p.cache_entries} experts, reads ~{b:.0f} bytes/token, "
-                         f"{b / speed:.3f} s/token at that speed")
-            best = name if budget <= usable else best
+            p = plan_budget(budget, layout.outside, layout.layers, layout.sizes)
         except BudgetError:
             lines.append(f"preset {name:<12} {budget} bytes: too small for this model")
-    fits = sum(layers) + outside + experts <= usable
-    lines.append(f"run: kimi-k3-cli -m {path}" + ("" if fits or best is None else f" --mem-budget {best}")
-                 + ("  (the whole model fits in memory)" if fits else ""))
-    return lines
+            continue
+        b = p.predicted_bytes_per_token
+        lines.append(f"preset {name:<12} {budget} bytes: pins {len(p.pinned)}/{len(layout.layers)} trunks, "
+                     f"expert cache {p.cache_entries} experts, reads ~{b:.0f} bytes/token"
+                     + (f", {b / speed:.3f} s/token at that speed" if speed else ""))
+        best = name if budget <= usable else best
+    return lines + [_command(layout, best, usable)]
+
+
+def _command(layout: ModelLayout, preset: str | None, usable: int) -> str:
+    """The command to run: no budget if the model fits, else the largest preset that does, else a
+    budget of 90% of the usable memory when the model can be planned in it."""
+    run = f"run: kimi-k3-cli -m {layout.paths[0]}"
+    if sum(layout.layers) + layout.outside + layout.experts <= usable:
+        return run + "  (the whole model fits in memory)"
+    if preset is not None:
+        return f"{run} --mem-budget {preset}"
+    budget = int(0.9 * usable) >> 30 << 30
+    try:
+        plan_budget(budget, layout.outside, layout.layers, layout.sizes)
+    except BudgetError:
+        return f"run: not on this machine: {usable} bytes usable, too few for any --mem-budget plan of this model"
+    return f"{run} --mem-budget {budget >> 30}G  (no preset fits in the {usable} bytes usable)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="kimi-k3-doctor", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", type=Path, metavar="MODEL.gguf", help="the GGUF (or the first file of a split)")
+    p.add_argument("model", type=Path, metavar="MODEL.gguf",
+                   help="the GGUF (or the first file of a split), or the saved output of "
+                        "convert_kimi_k3.py CKPT OUT --dry-run (the model before it is converted)")
+    p.add_argument("--disk", type=Path, metavar="FILE", default=None,
+                   help="measure the read speed on FILE (a large file on the disk the GGUF is or will be on) "
+                        "instead of the GGUF's files")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(lambda: print("\n".join(report(build_parser().parse_args(argv).model))),
-                   runtime_errors=(OSError,))
+    def run() -> None:
+        a = build_parser().parse_args(argv)
+        print("\n".join(report(a.model, a.disk)))
+    return run_cli(run, runtime_errors=(OSError,))
 
 
 if __name__ == "__main__":

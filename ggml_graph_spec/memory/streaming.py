@@ -37,11 +37,11 @@ from .experts import ExpertCache, ExpertStack, pread_into
 
 _ALIGN = 64  # slot offsets: above ggml's TENSOR_ALIGNMENT (32)
 _LAYER = re.compile(r"blk\.(\d+)\.")
-_KINDS = tuple(n.split("}.", 1)[-1].split(".", 1)[0] for n in ROUTED_EXPERTS)  # ffn_gate_exps, ...
+EXPERT_KINDS = tuple(n.split("}.", 1)[-1].split(".", 1)[0] for n in ROUTED_EXPERTS)  # ffn_gate_exps, ...
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def _align(n: int) -> int:
+def slot_align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
@@ -75,10 +75,10 @@ class LayerFiles:
                 continue
             p = self._locate(t, maps)
             kind = name[m.end():].split(".", 1)[0]
-            if kind in _KINDS:
+            if kind in EXPERT_KINDS:
                 stride = t.contents.nb[2]
                 self.experts.setdefault(int(m.group(1)), []).append(
-                    (_KINDS.index(kind), ExpertStack(t, p.fd, p.path, p.file_offset, stride, t.contents.ne[2])))
+                    (EXPERT_KINDS.index(kind), ExpertStack(t, p.fd, p.path, p.file_offset, stride, t.contents.ne[2])))
             else:
                 self.layers.setdefault(int(m.group(1)), []).append(p)
         self.experts = {l: [s for _, s in sorted(v, key=lambda x: x[0])] for l, v in self.experts.items()}
@@ -99,16 +99,16 @@ class LayerFiles:
 
     def layer_bytes(self) -> list[int]:
         """Bytes of each layer's trunk (every tensor but the routed experts)."""
-        return [sum(_align(p.nbytes) for p in self.layers.get(l, ())) for l in range(self.n_layers)]
+        return [sum(slot_align(p.nbytes) for p in self.layers.get(l, ())) for l in range(self.n_layers)]
 
     def expert_sizes(self, used: int) -> ExpertSizes | None:
         """The experts for the plan; None when the MoE layers' experts differ in shape (then the
         cache, one shape per kind, cannot serve them all and no expert is streamed alone)."""
         shapes = {tuple(s.shape for s in v) for v in self.experts.values()}
-        if len(shapes) != 1 or len(next(iter(shapes))) != len(_KINDS):
+        if len(shapes) != 1 or len(next(iter(shapes))) != len(EXPERT_KINDS):
             return None
         per_layer = tuple(self.experts[l][0].count if l in self.experts else 0 for l in range(self.n_layers))
-        return ExpertSizes(per_layer, sum(_align(s[3]) for s in next(iter(shapes))), used)
+        return ExpertSizes(per_layer, sum(slot_align(s[3]) for s in next(iter(shapes))), used)
 
     def expert_bytes(self) -> int:
         return sum(s.stride * s.count for v in self.experts.values() for s in v)
@@ -123,7 +123,7 @@ def _place(pieces: list[_Piece]) -> list[_Piece]:
     out, off = [], 0
     for p in pieces:
         out.append(_Piece(p.tensor, p.fd, p.path, p.file_offset, p.nbytes, off))
-        off += _align(p.nbytes)
+        off += slot_align(p.nbytes)
     return out
 
 

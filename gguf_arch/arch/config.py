@@ -13,6 +13,7 @@ Layer lists in the file are 1-based; everything this module returns is 0-based.
 from __future__ import annotations
 
 import math
+from itertools import islice
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,9 @@ def _value_problems(got: dict[Field, Any]) -> list[str]:
     return errors
 
 
+_LISTED_LAYERS = 16  # uncovered layers named in the error; the rest counted
+
+
 def _layer_kinds(got: dict[Field, Any], errors: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(KDA layers, MLA layers), 0-based; every layer exactly one of the two."""
     n = got[_ROW["num_layers"]]
@@ -379,11 +383,14 @@ def _layer_kinds(got: dict[Field, Any], errors: list[str]) -> tuple[tuple[int, .
     kda_layers = _one_based_layers(kda_row.where, got[kda_row], n, errors)
     mla_layers = _one_based_layers(mla_row.where, got[mla_row], n, errors)
     both = sorted(set(kda_layers) & set(mla_layers))
-    neither = sorted(set(range(n)) - set(kda_layers) - set(mla_layers))
+    covered = set(kda_layers) | set(mla_layers)
     if both:
         errors.append(f"layers {[l + 1 for l in both]} are in both {kda_row.hf} and {mla_row.hf} (1-based)")
-    if neither:
-        errors.append(f"layers {[l + 1 for l in neither]} are in neither {kda_row.hf} nor {mla_row.hf} (1-based)")
+    if len(covered) < n:  # n may be 2^32 - 1: name the first few uncovered layers, never build range(n)
+        neither = list(islice((l for l in range(n) if l not in covered), _LISTED_LAYERS))
+        more = f" and {n - len(covered) - len(neither)} more" if n - len(covered) > len(neither) else ""
+        errors.append(f"layers {[l + 1 for l in neither]}{more} are in neither {kda_row.hf} nor {mla_row.hf} "
+                      "(1-based)")
     return kda_layers, mla_layers
 
 

@@ -176,6 +176,18 @@ def dsa_key_lines(cfg: K3Config) -> list[str]:
     return lines + [f"{INDEXER_TYPES} = arr[bool, {cfg.num_layers}], true on layers {list(cfg.indexer.layers)}"]
 
 
+# The dry run's first line (convert/listing.py): kimi-k3-doctor recognises a saved listing by it.
+DRY_RUN_HEADER = "dry run: nothing written"
+# The MoE keys the dry run shows too: with the tensors' bytes, all kimi-k3-doctor needs to plan a
+# --mem-budget for a model not converted yet.
+MOE_LISTED = ("expert_count", "expert_used_count")
+
+
+def moe_key_lines(cfg: K3Config) -> list[str]:
+    """`kimi-k3.expert_count = N` and `kimi-k3.expert_used_count = K`, as the dry run shows them."""
+    return [f"{k.full_name} = {k.value(cfg)}" for k in ARCH_KEYS if k.name in MOE_LISTED]
+
+
 # ---- the reader's side -----------------------------------------------------------------------
 
 def _need(meta: Mapping[str, Any], key: str, where: str) -> Any:

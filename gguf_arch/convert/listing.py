@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable, NamedTuple
 
 from ..arch.config import K3Config, parse_config, read_config_json, text_section
-from ..arch.keys import ARCH, dsa_key_lines
+from ..arch.keys import ARCH, DRY_RUN_HEADER, dsa_key_lines, moe_key_lines
 from ..arch.tensors import plan_tensors
 from ..arch.tokenizer import TIKTOKEN_FILE
 from ..errors import ConfigError
@@ -85,7 +85,7 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
                   split: SplitLimits = SplitLimits()) -> tuple[list[OutputFile], list[str]]:
     """(the files a conversion would write, notes on how the plan was made)."""
     types, source, cfg = listing_resolution(model_dir, quant, dsa=dsa)
-    notes = [source, *dsa_key_lines(cfg), *types.log]
+    notes = [source, *dsa_key_lines(cfg), *moe_key_lines(cfg), *types.log]
     has_tokenizer = (model_dir / TIKTOKEN_FILE).is_file()
     kv = tuple(gguf_metadata(cfg, model_dir)) if has_tokenizer else ()
     layout = GGUFLayout(ARCH, kv, final_outputs(types))
@@ -99,7 +99,7 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
 
 def plan_lines(files: list[OutputFile], notes: list[str]) -> list[str]:
     """The printed plan: one line per tensor, one per file, one total."""
-    lines = ["dry run: nothing written", *notes]
+    lines = [DRY_RUN_HEADER, *notes]
     width = max((len(t.name) for f in files for t in f.layout.tensors), default=4)
     for f in files:
         lines.append(f"file {f.path}: {len(f.layout.tensors)} tensors, {f.size} bytes ({human_size(f.size)})")

@@ -80,3 +80,23 @@ def test_a_million_experts_is_reported_in_bounded_memory(tmp_path, dry_run):
     model = _model_with(tmp_path, "num_experts", 10**6)
     res = run_tool("convert", model, tmp_path / "o.gguf", "--quiet", *dry_run, preexec=_two_gib, timeout=60)
     res.one_error_line(2, "missing tensor", "experts.8.", "implies")
+
+
+@pytest.mark.parametrize("n", [2**32 - 1, 10**9, 14])
+def test_a_huge_layer_count_is_one_error_in_bounded_memory(n):
+    """num_hidden_layers = 2^32 - 1 fits its uint32 key, but the layer-kind check built range(n)
+    (the fuzz test above found it: MemoryError, or the OOM killer). Now the first uncovered layers
+    are named and the rest counted, under a 2 GiB address-space limit."""
+    raw = copy.deepcopy(RAW)
+    raw["text_config"]["num_hidden_layers"] = n
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, hard))
+    try:
+        with pytest.raises(ConfigError) as e:
+            parse_config(raw)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    line = assert_clean(e.value, ConfigError)
+    assert "are in neither" in line and "layers [14" in line, line
+    if n > 14 + 16:
+        assert f"and {n - 13 - 16} more" in line, line

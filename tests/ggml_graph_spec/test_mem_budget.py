@@ -248,3 +248,60 @@ def test_usable_memory_is_at_most_the_cgroup_limit():
     assert r.returncode == 0, r.stderr
     seen, usable = map(int, r.stdout.split())
     assert seen == limit and 0 < usable <= limit
+
+
+def _dry_run(model_dir: Path, out: Path, listing: Path) -> Path:
+    r = subprocess.run([sys.executable, str(ROOT / "convert_kimi_k3.py"), str(model_dir), str(out), "--dry-run"],
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    listing.write_text(r.stdout)
+    return listing
+
+
+def _plan_fields(out: str) -> tuple[str, list[str]]:
+    """The doctor's weights line and its presets' plans (without the speed, which is measured)."""
+    weights = next(line for line in out.splitlines() if line.startswith("weights")).split(" (planned")[0]
+    return weights, [line.split(" bytes/token")[0] for line in out.splitlines() if line.startswith("preset ")]
+
+
+def test_doctor_plans_from_a_dry_run_listing_as_from_the_gguf(big_gguf, tmp_path):
+    """The listing of the checkpoint the GGUF was converted from gives the GGUF's own figures."""
+    listing = _dry_run(big_gguf.parent / "hf", big_gguf, tmp_path / "plan.txt")
+    from_gguf, from_listing = _doctor(big_gguf), _doctor(listing)
+    assert from_listing.returncode == 0, from_listing.stderr
+    assert _plan_fields(from_listing.stdout) == _plan_fields(from_gguf.stdout)
+    assert "read speed   not measured" in from_listing.stdout and "--disk FILE" in from_listing.stdout
+    with_disk = _doctor(listing, "--disk", big_gguf)
+    assert "MB/s (sequential, uncached, 1 file(s))" in with_disk.stdout
+    assert f"run: kimi-k3-cli -m {big_gguf}" in with_disk.stdout
+
+
+def test_doctor_plans_the_real_k31pro_from_its_dry_run(tmp_path):
+    """The real model's layout without its 1.5 TB: 82,432 experts of 17,547,264 bytes (issue 14)."""
+    from tests.support.real_plan import write_k31pro_plan
+    model = tmp_path / "k31pro"
+    model.mkdir()
+    listing = _dry_run(write_k31pro_plan(model), tmp_path / "k31pro.gguf", tmp_path / "plan.txt")
+    r = _doctor(listing)
+    assert r.returncode == 0, r.stderr
+    experts = int(r.stdout.split("experts ")[1].split()[0])
+    assert experts == 82432 * 17547264
+    total = int(next(line for line in listing.read_text().splitlines() if line.startswith("total:")).split()[5])
+    trunk = int(r.stdout.split("trunk ")[1].split()[0])
+    # the listing pads each tensor to 32 bytes, the plan each trunk tensor to 64 (2669 tensors)
+    assert abs(total - (experts + trunk)) < 64 * 2669
+    assert sum(line.startswith("preset ") for line in r.stdout.splitlines()) == len(PRESETS)
+
+
+@pytest.mark.parametrize("cut", ["keys", "tensor"])
+def test_doctor_refuses_a_broken_listing_in_one_line(big_gguf, tmp_path, cut):
+    lines = _dry_run(big_gguf.parent / "hf", big_gguf, tmp_path / "plan.txt").read_text().splitlines()
+    if cut == "keys":
+        lines = [line for line in lines if not line.startswith("kimi-k3.expert")]
+    else:
+        i = next(i for i, line in enumerate(lines) if "ffn_up_exps" in line)
+        lines[i] = lines[i].rsplit(" ", 1)[0] + " 12x"
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n".join(lines) + "\n")
+    r = _doctor(bad)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {bad}") and r.stderr.count("\n") == 1, r.stderr
