@@ -41,6 +41,11 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _short_read(path: str, offset: int, missing: int) -> ShortReadError:
+    return ShortReadError(f"{path}: short read at offset {offset}: expected {missing} more bytes of a weight "
+                          "tensor (the file was truncated or changed after loading)")
+
+
 def pread_into(fd: int, path: str, addr: int, nbytes: int, offset: int) -> None:
     """Read exactly nbytes at `offset` of the file to memory at addr, then drop their pages."""
     view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
@@ -48,8 +53,7 @@ def pread_into(fd: int, path: str, addr: int, nbytes: int, offset: int) -> None:
     while done < nbytes:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise ShortReadError(f"{path}: short read at offset {offset + done}: expected {nbytes - done} "
-                                 "more bytes of a weight tensor (the file was truncated or changed after loading)")
+            raise _short_read(path, offset + done, nbytes - done)
         done += n
     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
@@ -63,9 +67,7 @@ def pread_direct_into(direct: int, path: str, addr: int, nbytes: int, offset: in
         try:
             chunk = np.frombuffer(pread_direct(direct, offset + done, n), np.uint8)
         except EOFError:
-            raise ShortReadError(f"{path}: short read at offset {offset + done}: expected {nbytes - done} "
-                                 "more bytes of a weight tensor (the file was truncated or changed after "
-                                 "loading)") from None
+            raise _short_read(path, offset + done, nbytes - done) from None
         ctypes.memmove(addr + done, chunk.ctypes.data, n)
 
 
