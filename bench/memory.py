@@ -8,11 +8,18 @@ uses 4, then `convert_kimi_k3`: ~3.9 GB, so that reading the selected experts, n
 work, is what a streamed token costs), or the one given with --model. Per budget (1/6, 1/3, 1/2
 of the GGUF, unlimited), in a child process: greedy decode of N tokens after a short prompt;
 s/token of the decode; bytes read per token from the child's /proc/self/io `read_bytes` (what
-reached the disk: the streamer drops the pages it read); the expert cache's hit rate; the disk's
-sequential read speed measured in the same run (uncached, kimi-k3-doctor's read; before and after
-the runs, the faster counts); and
-ratio_to_disk_bound = s/token / (bytes read per token / read speed). The tokens of every budget
-are compared with the unlimited run's. Also a projection for the real K3.1-Pro from the issue's
+reached the disk, raw: the streamer drops the pages it read); the bytes a token had to read (the
+streamed trunks, and the selected experts the cache did not hold before their layer's
+prediction or selection: the executor's counters); the expert cache's hit rate; the read-ahead
+of the next layer's predicted experts (issued, useful, wasted and the wasted bytes, and the
+prediction's accuracy: of the selected experts, how many were predicted); the disk's sequential
+read speed measured in the same run (uncached, kimi-k3-doctor's read; before and after the runs,
+the faster counts); and ratio_to_disk_bound = s/token / (bytes needed per token / read speed).
+The bound counts the needed bytes, not the raw ones: a wasted read ahead costs time (it is in
+s/token) but does not raise the bound; where the raw count is the smaller (a page the kernel still
+held was not read from the disk), it is the one used: the stricter bound. The tokens of every budget are compared with the
+unlimited run's. The compute alone (warm_compute_s_per_token: unlimited, the GGUF read into the
+page cache first) is the floor under every s/token. Also a projection for the real K3.1-Pro from the issue's
 sizes: whole layers streamed (every expert of a streamed layer read) against the plan of
 memory/budget.py (trunks pinned first, the selected experts read into an expert cache; misses
 predicted as if every expert were equally likely). Results in bench/results/memory.json and
@@ -43,18 +50,21 @@ def io():
     return int([l for l in open("/proc/self/io") if l.startswith("read_bytes")][0].split()[1])
 m = Model.load(sys.argv[1], n_ctx=128, n_threads=int(sys.argv[4]),
                mem_budget=None if sys.argv[2] == "none" else sys.argv[2])
-logits, out = m.eval([1, 5, 9]), []
-c = getattr(m.executor, "cache", None)
-h0 = (c.hits, c.misses) if c else (0, 0)
-r0, t0 = io(), time.perf_counter()
+logits, out, x = m.eval([1, 5, 9]), [], m.executor
+c = getattr(x, "cache", None)
+def counters():  # trunk bytes read, experts missed (bytes), read ahead: issued, useful, wasted (bytes)
+    e = (c.miss_bytes, c.predicted, c.useful, c.wasted, c.wasted_bytes, c.hits, c.misses) if c else (0,) * 7
+    return np.array((getattr(x, "bytes_read", 0), *e, getattr(x, "guess_right", 0), getattr(x, "guess_total", 0)))
+k0, r0, t0 = counters(), io(), time.perf_counter()
 for _ in range(int(sys.argv[3])):
     out.append(int(np.argmax(logits[-1])))
     logits = m.eval([out[-1]])
-dt, read = time.perf_counter() - t0, io() - r0
-hits, misses = (c.hits - h0[0], c.misses - h0[1]) if c else (0, 0)
+dt, read, k = time.perf_counter() - t0, io() - r0, (counters() - k0).tolist()
 print(" ".join(map(str, out)))
-summary = [f"{k}: {v}" for k, v in m.executor.summary()] if hasattr(m.executor, "summary") else []
-print(json.dumps({"s": dt / len(out), "read": read / len(out), "hits": hits, "misses": misses, "summary": summary}))
+summary = [f"{a}: {b}" for a, b in x.summary()] if hasattr(x, "summary") else []
+keys = ("trunk", "expert_misses", "predicted", "useful", "wasted", "wasted_bytes", "hits", "misses", "right", "of")
+print(json.dumps({"s": dt / len(out), "read": read / len(out), "n": len(out), **dict(zip(keys, k)),
+                  "summary": summary}))
 m.close()
 """
 
@@ -83,9 +93,32 @@ def _run(gguf: Path, budget: str, n: int, threads: int) -> dict:
         raise SystemExit(f"error: the run at budget {budget} failed: {r.stderr.strip().splitlines()[-1:]}")
     tokens, stats = r.stdout.strip().splitlines()
     s = json.loads(stats)
-    lookups = s["hits"] + s["misses"]
+    lookups, n = s["hits"] + s["misses"], s["n"]
     return {"budget": budget, "tokens": tokens, "s_per_token": s["s"], "bytes_read_per_token": s["read"],
-            "expert_hit_rate": s["hits"] / lookups if lookups else None, "summary": s["summary"]}
+            "bytes_needed_per_token": (s["trunk"] + s["expert_misses"]) / n,
+            "expert_hit_rate": s["hits"] / lookups if lookups else None,
+            "prefetch": {"issued": s["predicted"], "useful": s["useful"], "wasted": s["wasted"],
+                         "wasted_bytes_per_token": s["wasted_bytes"] / n,
+                         "prediction_accuracy": s["right"] / s["of"] if s["of"] else None},
+            "summary": s["summary"]}
+
+
+def bound_bytes(run: dict) -> float:
+    """The bytes per token the disk bound counts (module docstring): needed, or raw if fewer."""
+    return min(run["bytes_needed_per_token"], run["bytes_read_per_token"])
+
+
+def warm_compute(gguf: Path, n: int, threads: int) -> float:
+    """s/token of an unlimited run with the whole GGUF in the page cache first: the compute alone
+    (no byte comes from the disk), the floor under every budget's s/token. Its pages are dropped after."""
+    fd = os.open(gguf, os.O_RDONLY)
+    try:
+        while os.read(fd, 16 << 20):
+            pass
+        return _run(gguf, "none", n, threads)["s_per_token"]
+    finally:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
 
 
 def projection(speed: float) -> list[dict]:
@@ -118,8 +151,9 @@ def plot(out: dict, path: Path) -> None:
     x = [mib(r) for r in runs]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     ax.plot(x, [r["s_per_token"] for r in runs], marker="o", label="measured s/token")
-    bound = [r["bytes_read_per_token"] / out["read_speed_bytes_per_s"] for r in runs]
-    ax.plot(x, bound, marker="x", linestyle="--", label="disk bound (bytes read / read speed)")
+    bound = [bound_bytes(r) / out["read_speed_bytes_per_s"] for r in runs]
+    ax.plot(x, bound, marker="x", linestyle="--", label="disk bound (bytes needed / read speed)")
+    ax.axhline(out["warm_compute_s_per_token"], color="gray", linewidth=0.8, label="compute alone (warm)")
     ax.set_xlabel("--mem-budget (MiB; the rightmost point: unlimited)")
     ax.set_ylabel("s/token")
     ax.set_title(f"decode within a memory budget, {out['gguf_bytes'] / 2**30:.1f} GiB GGUF", fontsize=10)
@@ -144,15 +178,15 @@ def main() -> int:
     runs = [_run(gguf, b, a.n, a.threads) for b in ("none", str(size // 6), str(size // 3), str(size // 2))]
     # on a shared machine the disk's speed moves: the faster of the two readings, the stricter bound
     speeds = [before, read_speed([str(gguf)])]
-    speed = max(speeds)
+    speed, warm = max(speeds), warm_compute(gguf, a.n, a.threads)
     for r in runs:
         r["identical_tokens"] = r["tokens"] == runs[0]["tokens"]
-        bound = r["bytes_read_per_token"] / speed
+        bound = bound_bytes(r) / speed
         # unlimited: the weights are in memory after the first graph; a few stray pages are no bound
         r["ratio_to_disk_bound"] = r["s_per_token"] / bound if bound and r["budget"] != "none" else None
     model = "generated: kimi-k3-synth " + " ".join(SYNTH) if a.model is None else gguf.name
     out = {"gguf_bytes": size, "model": model, "read_speed_bytes_per_s": speed, "read_speeds_before_after": speeds,
-           "threads": a.threads, "runs": runs, "projection_k31pro_q8_0": projection(speed)}
+           "warm_compute_s_per_token": warm, "threads": a.threads, "runs": runs, "projection_k31pro_q8_0": projection(speed)}
     a.json.write_text(json.dumps(out, indent=1) + "\n")
     plot(out, a.json.with_suffix(".png"))
     print(json.dumps(out, indent=1))

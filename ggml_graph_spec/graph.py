@@ -69,7 +69,7 @@ class GraphBuild:
 
     def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
                  top_k: int | None, wants: Iterable[str] = (), dsa_path: str = "masked", segments: bool = False,
-                 bind_experts: Callable | None = None):
+                 bind_experts: Callable | None = None, predict_experts: Callable | None = None):
         self.ctx = ctx
         self.gf = gf
         self.cfg = cfg
@@ -80,6 +80,8 @@ class GraphBuild:
         self.exact = exact
         # (g, layer, ids, expert stacks) -> (ids, stacks) the expert matmuls read: Executor.bind_experts
         self.bind_experts = bind_experts
+        # (g, next MoE layer, build its predicted ids) -> None: Executor.predict_experts
+        self.predict_experts = predict_experts
         self._top_k = top_k
         if dsa_path not in DSA_PATHS:
             raise ValueError(f"dsa_path must be one of {DSA_PATHS}, got {dsa_path!r}")
@@ -244,6 +246,7 @@ class Executor:
 
     segments = False  # GraphBuild(segments=...): whether compute needs the tensors' segments
     bind_experts = None  # GraphBuild(bind_experts=...): a hook placing the routed experts (None: in place)
+    predict_experts = None  # GraphBuild(predict_experts=...): a hook reading the next layer's experts early
     wants_plan = False  # True: plan a graph built for the purpose before the next one is built and computed
 
     def __init__(self, n_threads: int):

@@ -21,15 +21,15 @@ import numpy as np
 
 from gguf_arch.errors import KimiError
 
-from gguf_arch.arch.tensors import (ATTN_NORM, ATTN_RES_SCORE, FFN_NORM, FFN_RES_SCORE, OUTPUT, OUTPUT_NORM,
+from gguf_arch.arch.tensors import (ATTN_NORM, ATTN_RES_SCORE, FFN_RES_SCORE, OUTPUT, OUTPUT_NORM,
                                     OUTPUT_RES_SCORE, TOKEN_EMBD)
 
 from . import taps
 from .blocks.attn_res import ResidualBank, attn_res
-from .blocks.ffn import build_dense_ffn
+from .blocks.ffn import build_dense_ffn, ffn_norm
 from .blocks.kda import build_kda
 from .blocks.mla import build_mla
-from .blocks.moe import build_moe
+from .blocks.moe import build_moe, predict_experts
 from .cache import SequenceCache
 from .devices import Devices
 from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
@@ -87,7 +87,9 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
         a = build_kda(g, w, h) if cfg.is_kda(l) else build_mla(g, w, h)
         p = a if p is None else ggml.ggml_add(c, p, a)
         y = attn_res(g, p, bank, w(FFN_RES_SCORE))
-        h = g.rms_norm(y, w(FFN_NORM), cfg.rms_norm_eps)
+        if g.predict_experts is not None and l + 1 < cfg.num_layers and cfg.is_moe(l + 1):
+            g.predict_experts(g, l + 1, partial(predict_experts, g, weights.layer(l + 1), y))
+        h = ffn_norm(g, w, y)
         f = build_moe(g, w, h) if cfg.is_moe(l) else build_dense_ffn(g, w, h)
         p = ggml.ggml_add(c, p, f)
         if g.wants("hidden"):
@@ -305,7 +307,7 @@ class Model:
     def _run_batch(self, ids: np.ndarray, want: frozenset) -> EvalResult:
         make = partial(GraphBuild, cfg=self.cfg, cache=self.cache, n_tokens=len(ids), exact=self.exact,
                        top_k=self.top_k, wants=want, dsa_path=self.dsa_path, segments=self._exec.segments,
-                       bind_experts=self._exec.bind_experts)
+                       bind_experts=self._exec.bind_experts, predict_experts=self._exec.predict_experts)
         size = self._graph_size + (taps.NODES_PER_LAYER * self.cfg.num_layers if want & taps.WANTS else 0)
         if want or self._exec.wants_plan:  # a fresh memory plan (Executor.plan and wants_plan say why)
             with self._exec.graph(size, make) as g:

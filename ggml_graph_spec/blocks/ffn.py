@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import ggml
 
-from gguf_arch.arch.tensors import FFN_DOWN, FFN_GATE, FFN_UP
+from gguf_arch.arch.tensors import FFN_DOWN, FFN_GATE, FFN_NORM, FFN_UP
 
 from ..graph import GraphBuild, Tensor
 from ..loader import LayerWeights
+
+
+def ffn_norm(g: GraphBuild, w: LayerWeights, y: Tensor) -> Tensor:
+    """Layer w's FFN input norm on the residual mix y [n_embd, T]."""
+    return g.rms_norm(y, w(FFN_NORM), g.cfg.rms_norm_eps)
 
 
 def situ(g: GraphBuild, gate: Tensor, up: Tensor) -> Tensor:

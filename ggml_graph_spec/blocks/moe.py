@@ -16,7 +16,7 @@ from gguf_arch.arch.tensors import (EXP_PROBS_B, FFN_DOWN_EXPS, FFN_DOWN_SHEXP, 
 from .. import taps
 from ..graph import I32, GraphBuild, Tensor
 from ..loader import LayerWeights
-from .ffn import situ, situ_mlp
+from .ffn import ffn_norm, situ, situ_mlp
 
 
 def _router_logits(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
@@ -37,6 +37,21 @@ def _router_logits(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     return ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul_mat(c, x, gate)))
 
 
+def _select(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The router's scores (sigmoid, [E, T]) and the experts the biased scores pick (I32 [k, T])."""
+    c = g.ctx
+    probs = ggml.ggml_sigmoid(c, _router_logits(g, w, x))  # [E, T]
+    return probs, ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w(EXP_PROBS_B)),
+                                                    g.cfg.num_experts_used))
+
+
+def predict_experts(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
+    """Layer w's router applied to another layer's FFN input x ([n_embd, T], before the norm):
+    the experts w's layer would select for x, I32 [k, T]. A memory budget's executor reads them
+    early (memory/streaming.py); the ids the layer uses are always its own router's."""
+    return _select(g, w, ffn_norm(g, w, x))[1]
+
+
 def _route(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
     """Sigmoid router on the full width; the bias picks the experts, the unbiased scores weigh them.
 
@@ -44,8 +59,7 @@ def _route(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
     """
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     E, k = cfg.num_experts, cfg.num_experts_used
-    probs = ggml.ggml_sigmoid(c, _router_logits(g, w, x))  # [E, T]
-    ids = ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w(EXP_PROBS_B)), k))
+    probs, ids = _select(g, w, x)
     weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, E, T), ids)  # [1, k, T]
     if cfg.moe_renormalize:
         total = ggml.ggml_sum_rows(c, ggml.ggml_reshape_2d(c, weights, k, T))  # [1, T]

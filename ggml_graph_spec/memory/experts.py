@@ -13,18 +13,24 @@ to the least recently used, then the lowest layer and expert: deterministic).
 from __future__ import annotations
 
 import ctypes
+import errno
 import heapq
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ggml
 import numpy as np
 
 from gguf_arch.errors import KimiError
+from gguf_arch.io.direct_io import pread_direct
 
 _ALIGN = 64
 _READERS = 4  # parallel preads of the missed experts: a disk serves several requests at once
+# An expert read around the page cache goes in chunks of this size, each through a block-aligned
+# buffer of its reader (pread_direct): at most _READERS such buffers exist at once (32 MiB; a
+# K3.1-Pro expert's slice of one kind, 5.8 MB, is one read).
+_DIRECT_CHUNK = 8 << 20
 
 
 class ShortReadError(KimiError):
@@ -35,6 +41,11 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _short_read(path: str, offset: int, missing: int) -> ShortReadError:
+    return ShortReadError(f"{path}: short read at offset {offset}: expected {missing} more bytes of a weight "
+                          "tensor (the file was truncated or changed after loading)")
+
+
 def pread_into(fd: int, path: str, addr: int, nbytes: int, offset: int) -> None:
     """Read exactly nbytes at `offset` of the file to memory at addr, then drop their pages."""
     view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
@@ -42,10 +53,22 @@ def pread_into(fd: int, path: str, addr: int, nbytes: int, offset: int) -> None:
     while done < nbytes:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise ShortReadError(f"{path}: short read at offset {offset + done}: expected {nbytes - done} "
-                                 "more bytes of a weight tensor (the file was truncated or changed after loading)")
+            raise _short_read(path, offset + done, nbytes - done)
         done += n
     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+
+def pread_direct_into(direct: int, path: str, addr: int, nbytes: int, offset: int) -> None:
+    """pread_into through an O_DIRECT descriptor: the kernel neither copies the bytes into the
+    page cache nor spends the CPU time to (which the expert matmuls computing meanwhile share);
+    one copy from the aligned chunk to addr instead."""
+    for done in range(0, nbytes, _DIRECT_CHUNK):
+        n = min(_DIRECT_CHUNK, nbytes - done)
+        try:
+            chunk = np.frombuffer(pread_direct(direct, offset + done, n), np.uint8)
+        except EOFError:
+            raise _short_read(path, offset + done, nbytes - done) from None
+        ctypes.memmove(addr + done, chunk.ctypes.data, n)
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,18 @@ class ExpertStack:
     file_offset: int
     stride: int  # bytes of one expert: nb[2]
     count: int  # ne[2]
+    direct: int | None = None  # the file open with O_DIRECT, where the file system allows it
+
+    def read(self, addr: int, expert: int) -> None:
+        """Expert `expert`'s bytes of this stack to memory at addr."""
+        offset = self.file_offset + expert * self.stride
+        if self.direct is not None:
+            try:
+                return pread_direct_into(self.direct, self.path, addr, self.stride, offset)
+            except OSError as exc:  # the file system took the flag but refuses the read: buffered
+                if exc.errno != errno.EINVAL:
+                    raise
+        pread_into(self.fd, self.path, addr, self.stride, offset)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -67,7 +102,15 @@ class ExpertStack:
 
 class ExpertCache:
     """`entries` experts of the shape `kinds` (one ExpertStack.shape per kind) in anonymous memory
-    (a buffer of the CPU backend's buffer type `buft`)."""
+    (a buffer of the CPU backend's buffer type `buft`).
+
+    Speculative reads (`place(..., ahead=...)`): while a layer computes, the experts predicted for
+    the next MoE layer are read into entries the current layer does not use, on the reader
+    threads. When the next layer's real selection comes, a predicted expert it selects is waited
+    for (useful), the others are let go (wasted: a read not yet started is cancelled, the entry is
+    emptied either way, so the cache's contents do not depend on the reads' timing). A predicted
+    expert counts as a miss all the same (it had to be read), so hits, misses and the entries held
+    are those of a run without prediction only when every prediction is right or wasted."""
 
     def __init__(self, kinds: list[tuple[int, int, int, int]], entries: int, buft):
         self.kinds, self.entries = kinds, entries
@@ -83,12 +126,24 @@ class ExpertCache:
         self.bases = [base + o for o in offsets]
         self._where: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * entries
-        self._free = list(range(entries - 1, -1, -1))  # the empty entries, popped lowest first
+        self._free = list(range(entries))  # the empty entries, a heap: the lowest first
         self.uses: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], int] = {}
         self._tick = 0
         self.hits = self.misses = self.bytes_read = 0
+        self.predicted = self.useful = self.wasted = self.wasted_bytes = 0  # speculative reads (class docstring)
+        self._guesses: dict[tuple[int, int], int] = {}  # predicted experts not yet resolved -> entry
+        self._inflight: dict[int, list[Future]] = {}  # entry -> its reads not yet waited for
         self._readers = ThreadPoolExecutor(_READERS, thread_name_prefix="kimi-k3-experts")
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(k[3] for k in self.kinds)
+
+    @property
+    def miss_bytes(self) -> int:
+        """Bytes of the selected experts the cache did not hold before their layer (or its prediction)."""
+        return self.misses * self.expert_bytes
 
     def tensors(self, ctx, names: list[bytes], count: int) -> list:
         """One graph tensor per kind over its region. Its ne[2] (what ggml checks the ids
@@ -102,49 +157,108 @@ class ExpertCache:
             out.append(t)
         return out
 
-    def place(self, layer: int, stacks: list[ExpertStack], experts: np.ndarray) -> np.ndarray | None:
+    def place(self, layer: int, stacks: list[ExpertStack], experts: np.ndarray,
+              ahead: tuple[int, list[ExpertStack], np.ndarray] | None = None) -> np.ndarray | None:
         """The entry of each of `experts` (distinct ids), reading the ones not held; None when
-        they are more than the cache holds (the caller then reads the layer's experts whole)."""
-        if len(experts) > self.entries:
+        they are more than the cache holds (the caller then reads the layer's experts whole).
+        `ahead` (layer, stacks, experts): a prediction of the next layer's, started once this
+        layer's misses are in and not waited for (class docstring)."""
+        keys = [(layer, int(e)) for e in experts]
+        useful = self._resolve(set(keys) if len(keys) <= self.entries else set())
+        if len(keys) > self.entries:
             return None
         self._tick += 1
-        keys = [(layer, int(e)) for e in experts]
         for k in keys:
             self.uses[k] = self.uses.get(k, 0) + 1
             self._last[k] = self._tick
         missing = [k for k in keys if k not in self._where]
-        self.hits += len(keys) - len(missing)
-        self.misses += len(missing)
-        for k, entry in zip(missing, self._victims(len(missing), set(keys))):
-            old = self._owner[entry]
-            if old is not None:
-                del self._where[old]
-            self._owner[entry], self._where[k] = k, entry
-        self._read(stacks, [(k[1], self._where[k]) for k in missing])
+        self.hits += len(keys) - len(missing) - len(useful)
+        self.misses += len(missing) + len(useful)
+        for k, entry in zip(missing, self._victims(len(missing), set(keys), wait=True)):
+            self._assign(k, entry)
+        for k in missing:
+            self._inflight[self._where[k]] = self._submit(stacks, k[1], self._where[k])
+        for k in [*missing, *useful]:
+            self._settle(self._where[k])
+        if ahead is not None:  # after this layer's reads: they are the ones its compute waits for
+            self._prefetch(*ahead, keep=set(keys))
         return np.array([self._where[k] for k in keys], dtype=np.int32)
 
-    def _victims(self, n: int, keep: set) -> list[int]:
-        """n entries to overwrite: empty ones first (lowest first), then the least used (module
-        docstring; the scan over the held entries only once the cache is full)."""
-        empty = [self._free.pop() for _ in range(min(n, len(self._free)))]
-        if len(empty) == n:
-            return empty
-        held = (i for i in range(self.entries) if self._owner[i] is not None and self._owner[i] not in keep)
-        return empty + heapq.nsmallest(n - len(empty), held, key=lambda i: (self.uses[self._owner[i]],
-                                                                             self._last[self._owner[i]], *self._owner[i]))
+    def _resolve(self, selected: set) -> list[tuple[int, int]]:
+        """The predicted experts among `selected` (useful); the other predictions let go."""
+        useful = [k for k in self._guesses if k in selected]
+        for k, entry in self._guesses.items():
+            if k in selected:
+                continue
+            self.wasted += 1
+            reads = self._inflight.get(entry, [])
+            if all([f.cancel() for f in reads]):  # every one: a read not started is not made
+                self._inflight.pop(entry, None)
+            del self._where[k]
+            self._owner[entry] = None
+            heapq.heappush(self._free, entry)
+        self.useful += len(useful)
+        self._guesses = {}
+        return useful
 
-    def _read(self, stacks: list[ExpertStack], jobs: list[tuple[int, int]]) -> None:
-        reads = [(s.fd, s.path, base + entry * s.stride, s.stride, s.file_offset + e * s.stride)
-                 for e, entry in sorted(jobs) for s, base in zip(stacks, self.bases)]
-        for f in [self._readers.submit(pread_into, *r) for r in reads]:
-            f.result()
-        self.bytes_read += sum(r[3] for r in reads)
+    def _prefetch(self, layer: int, stacks: list[ExpertStack], experts: np.ndarray, keep: set) -> None:
+        """Start reading the predicted experts not held into entries `keep`'s do not use."""
+        want = [(layer, int(e)) for e in experts if (layer, int(e)) not in self._where]
+        for k, entry in zip(want, self._victims(len(want), keep, wait=False)):
+            self._assign(k, entry)
+            self._guesses[k] = entry
+            self._inflight[entry] = self._submit(stacks, k[1], entry)
+            self.predicted += 1
+
+    def _assign(self, k: tuple[int, int], entry: int) -> None:
+        old = self._owner[entry]
+        if old is not None:
+            del self._where[old]
+        self._owner[entry], self._where[k] = k, entry
+
+    def _victims(self, n: int, keep: set, wait: bool) -> list[int]:
+        """Up to n entries to overwrite, none held by `keep`: empty ones first (lowest first),
+        then the least used (module docstring; the scan over the held entries only once the
+        cache is full). An entry still being read is waited for (`wait`) or passed over."""
+        empty, busy = [], []
+        while self._free and len(empty) < n:
+            entry = heapq.heappop(self._free)
+            (busy if entry in self._inflight and not wait else empty).append(entry)
+        for entry in busy:
+            heapq.heappush(self._free, entry)
+        if len(empty) < n:
+            held = (i for i in range(self.entries) if self._owner[i] is not None and self._owner[i] not in keep
+                    and (wait or i not in self._inflight))
+            empty += heapq.nsmallest(n - len(empty), held, key=lambda i: (self.uses.get(self._owner[i], 0),
+                                                                          self._last.get(self._owner[i], 0),
+                                                                          *self._owner[i]))
+        for entry in empty:
+            if entry in self._inflight:
+                self._settle(entry)
+        return empty
+
+    def _submit(self, stacks: list[ExpertStack], expert: int, entry: int) -> list[Future]:
+        return [self._readers.submit(s.read, base + entry * s.stride, expert) for s, base in zip(stacks, self.bases)]
+
+    def _settle(self, entry: int) -> None:
+        """Wait for the reads into `entry` (an error of one is raised here, as it was)."""
+        reads = self._inflight.pop(entry, [])
+        try:
+            for f in reads:
+                if not f.cancelled():
+                    f.result()
+        finally:
+            done = sum(k[3] for k, f in zip(self.kinds, reads) if f.done() and not f.cancelled()
+                       and f.exception() is None)
+            self.bytes_read += done
+            if self._owner[entry] is None:
+                self.wasted_bytes += done
 
     def hit_rate(self) -> float:
         return self.hits / max(self.hits + self.misses, 1)
 
     def free(self) -> None:
-        self._readers.shutdown()
+        self._readers.shutdown(cancel_futures=True)
         if self._buffer:
             ggml.ggml_backend_buffer_free(self._buffer)
             self._buffer = None

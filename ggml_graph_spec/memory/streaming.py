@@ -30,6 +30,7 @@ import ggml
 import numpy as np
 
 from gguf_arch.arch.tensors import ROUTED_EXPERTS
+from gguf_arch.io.direct_io import open_direct
 
 from ..graph import I32, Executor, GraphBuild
 from .budget import N_SLOTS, BudgetError, BudgetPlan, ExpertSizes, plan_budget
@@ -64,6 +65,7 @@ class LayerFiles:
     def __init__(self, weights):
         self._paths = [str(path) for path, _, _ in weights.mapped_files]
         self._fds = [os.open(path, os.O_RDONLY) for path in self._paths]
+        self._direct = [open_direct(fd, path) for fd, path in zip(self._fds, self._paths)]
         maps = [(base, size) for _, base, size in weights.mapped_files]
         self.layers: dict[int, list[_Piece]] = {}
         self.experts: dict[int, list[ExpertStack]] = {}
@@ -78,7 +80,8 @@ class LayerFiles:
             if kind in EXPERT_KINDS:
                 stride = t.contents.nb[2]
                 self.experts.setdefault(int(m.group(1)), []).append(
-                    (EXPERT_KINDS.index(kind), ExpertStack(t, p.fd, p.path, p.file_offset, stride, t.contents.ne[2])))
+                    (EXPERT_KINDS.index(kind), ExpertStack(t, p.fd, p.path, p.file_offset, stride, t.contents.ne[2],
+                                                           self._direct[self._fds.index(p.fd)])))
             else:
                 self.layers.setdefault(int(m.group(1)), []).append(p)
         self.experts = {l: [s for _, s in sorted(v, key=lambda x: x[0])] for l, v in self.experts.items()}
@@ -114,9 +117,10 @@ class LayerFiles:
         return sum(s.stride * s.count for v in self.experts.values() for s in v)
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        for fd in [*self._fds, *self._direct]:
+            if fd is not None:
+                os.close(fd)
+        self._fds, self._direct = [], []
 
 
 def _place(pieces: list[_Piece]) -> list[_Piece]:
@@ -184,8 +188,12 @@ class StreamingExecutor(Executor):
         self._slots: list[np.ndarray] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-k3-prefetch")
         self._pending: dict[int, Future] = {}
+        self._ahead: dict[int, object] = {}  # the graph being run's _predicted
+        self._guessed: dict[int, set] = {}  # MoE layer -> the experts predicted for it, until it runs
+        self.guess_right = self.guess_total = 0  # of the layers' selected experts, how many were predicted
         self._loads = 0
         self._bound: dict[int, _Bound] = {}
+        self._predicted: dict[int, object] = {}  # MoE layer -> its experts predicted in the layer before
 
     def attach(self, cache_bytes: int) -> None:
         self._cache_bytes = cache_bytes
@@ -234,10 +242,23 @@ class StreamingExecutor(Executor):
         self._bound[layer] = _Bound(ids, slots, pool)
         return slots, pool
 
+    def predict_experts(self, g: GraphBuild, layer: int, build) -> None:
+        """GraphBuild's hook before a MoE layer's FFN: `build()` makes the next MoE layer's
+        predicted ids there. Asked for where both layers' experts come from the cache and the
+        next layer's trunk (its router) is resident: a streamed trunk is not in a slot yet."""
+        p = self.plan_
+        if p is None or self.cache is None or layer in p.streamed or not {layer - 1, layer} <= set(p.expert_layers):
+            return
+        ids = build()
+        ggml.ggml_set_output(ids)
+        g.expand(ids)
+        self._predicted[layer] = ids
+
     def _run(self, g: GraphBuild) -> int:
         if self.plan_ is None:
             self.plan_ = self._make_plan()
         bound, self._bound = self._bound, {}
+        self._ahead, self._predicted = self._predicted, {}
         streamed, experts = set(self.plan_.streamed), set(self.plan_.expert_layers)
         runs, views, nodes = _scan(g)
         self.tokens += g.n_tokens
@@ -269,7 +290,7 @@ class StreamingExecutor(Executor):
             return status
         ids = self.read(b.ids).astype(np.int32)
         experts, inverse = np.unique(ids, return_inverse=True)
-        entries = self.cache.place(layer, self.files.experts[layer], experts)
+        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(layer, experts))
         if entries is None:  # more experts than the cache holds: the mapped stacks, whole
             for t, s in zip(b.pool, self.files.experts[layer]):
                 _point(views, t, s.tensor.contents.data)
@@ -282,6 +303,20 @@ class StreamingExecutor(Executor):
         if entries is None:
             self._whole(layer)
         return status
+
+    def _guess(self, layer: int, experts: np.ndarray) -> tuple | None:
+        """The next MoE layer's predicted experts (for ExpertCache.place's `ahead`), if this graph
+        predicted them; scores the prediction made for `layer` against its selection."""
+        guessed = self._guessed.pop(layer, None)
+        if guessed is not None:
+            self.guess_right += len(guessed & set(experts.tolist()))
+            self.guess_total += len(experts)
+        nxt = self._ahead.get(layer + 1)
+        if nxt is None:
+            return None
+        predicted = np.unique(self.read(nxt))
+        self._guessed[layer + 1] = set(predicted.tolist())
+        return layer + 1, self.files.experts[layer + 1], predicted
 
     def _whole(self, layer: int) -> None:
         self.whole_reads += 1
@@ -330,7 +365,10 @@ class StreamingExecutor(Executor):
             return []
         return [("mem experts", f"layers {_span(p.expert_layers)}: cache of {c.entries} experts ({c.nbytes} bytes), "
                                 f"hits {c.hits}/{c.hits + c.misses} ({100 * c.hit_rate():.1f}%), at most "
-                                f"{self._used * len(p.expert_layers)} experts of {p.expert_bytes} bytes read per token"),
+                                f"{self._used * len(p.expert_layers)} experts of {p.expert_bytes} bytes read per token; "
+                                f"prefetched {c.predicted}: useful {c.useful}, wasted {c.wasted} "
+                                f"({c.wasted_bytes} bytes read), predicted right {self.guess_right}/"
+                                f"{self.guess_total} selected"),
                 ("mem read", f"{self.read_per_token():.0f} bytes read per token so far ({self.tokens} tokens, "
                              f"{self.whole_reads} layer(s) of experts used whole)")]
 

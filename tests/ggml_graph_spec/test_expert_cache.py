@@ -1,16 +1,19 @@
 """The expert cache of --mem-budget (memory/experts.py) and the plan that sizes it (budget.py):
 hits and misses counted per (layer, expert), the least used evicted, the bytes read are the file's,
-a short read is one clean error, and the plan stays within the budget."""
+a short read is one clean error, the next layer's predicted experts read ahead only into entries
+the current layer does not use, and the plan stays within the budget."""
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import replace
 
 import ggml
 import numpy as np
 import pytest
 
 from gguf_arch.errors import KimiError
+from gguf_arch.io.direct_io import open_direct
 from ggml_graph_spec.memory.budget import BudgetError, ExpertSizes, plan_budget
 from ggml_graph_spec.memory.experts import ExpertCache, ExpertStack, ShortReadError
 
@@ -134,3 +137,90 @@ def test_predicted_reads_fall_with_the_budget():
     reads = [plan_budget(b, 1000, trunks, experts).predicted_bytes_per_token for b in range(1260, 3800, 100)]
     assert all(a >= b for a, b in zip(reads, reads[1:])) and reads[0] > reads[-1]
     assert reads[0] <= 6 * 100 + 5 * 2 * 30
+
+
+def _expert_bytes(stacks, layer: int, expert: int, kind: int, data) -> bytes:
+    st = stacks[layer][kind]
+    lo = st.file_offset + expert * st.stride
+    return data[lo:lo + st.stride].tobytes()
+
+
+def _assert_holds(c: ExpertCache, s, data, layer: int, experts) -> None:
+    for e in experts:
+        for kind in range(len(STRIDES)):
+            assert _held(c, c._where[(layer, e)], kind) == _expert_bytes(s, layer, e, kind, data), (layer, e, kind)
+
+
+def test_a_prefetch_never_evicts_what_the_current_layer_uses(stacks):
+    """Scripted: a full cache of four; layer 0 uses 1 and 2 while 5, 6, 7 are predicted for
+    layer 1: only 3 and 4 (the least used others) make room, two reads are issued; layer 1 then
+    selects 5 and 7: 5 was read ahead (useful), 6 is let go (wasted), 7 is read now."""
+    s, data = stacks
+    c = _cache(4)
+    try:
+        c.place(0, s[0], np.array([1, 2]))
+        c.place(0, s[0], np.array([3, 4]))
+        used = c.place(0, s[0], np.array([1, 2]), ahead=(1, s[1], np.array([5, 6, 7])))
+        assert c.predicted == 2 and {(0, 1), (0, 2), (1, 5), (1, 6)} == set(c._where)
+        assert [c._where[(0, 1)], c._where[(0, 2)]] == list(used)
+        _assert_holds(c, s, data, 0, [1, 2])  # the current layer's entries, untouched
+        hits, misses = c.hits, c.misses
+        c.place(1, s[1], np.array([5, 7]))
+        assert (c.useful, c.wasted) == (1, 1) and c.useful + c.wasted == c.predicted
+        assert (c.hits, c.misses) == (hits, misses + 2)  # a useful prefetch had to be read: a miss
+        assert (1, 6) not in c._where
+        _assert_holds(c, s, data, 1, [5, 7])
+        _assert_holds(c, s, data, 0, [1, 2])
+    finally:
+        c.free()
+
+
+def test_a_prefetch_uses_only_entries_the_current_layer_leaves(stacks):
+    s, data = stacks
+    c = _cache(3)
+    try:  # three experts used, three predicted: no entry is free, nothing is read ahead
+        c.place(0, s[0], np.array([1, 2, 3]), ahead=(1, s[1], np.array([1, 2, 3])))
+        assert c.predicted == 0 and {(0, 1), (0, 2), (0, 3)} == set(c._where)
+        c.place(0, s[0], np.array([1]), ahead=(1, s[1], np.array([0, 4])))  # 2 and 3 make room
+        c.place(1, s[1], np.array([4, 0]))
+        assert (c.predicted, c.useful, c.wasted) == (2, 2, 0)
+        _assert_holds(c, s, data, 1, [0, 4])
+    finally:
+        c.free()
+
+
+def test_a_failed_prefetch_is_the_same_clean_error(stacks):
+    """A short read in a read ahead surfaces, as ShortReadError, when its layer waits for it."""
+    s, _ = stacks
+    beyond = [ExpertStack(None, st.fd, st.path, st.file_offset + 10**6, st.stride, st.count) for st in s[1]]
+    c = _cache(4)
+    try:
+        c.place(0, s[0], np.array([1]), ahead=(1, beyond, np.array([0])))  # no error yet: not waited for
+        assert c.predicted == 1
+        with pytest.raises(ShortReadError, match="experts.bin: short read at offset") as err:
+            c.place(1, beyond, np.array([0]))
+        assert isinstance(err.value, KimiError) and "\n" not in str(err.value)
+    finally:
+        c.free()
+
+
+def test_reads_around_the_page_cache_are_the_file_bytes(stacks):
+    """O_DIRECT reads (unaligned offsets and lengths, widened to blocks) hold the file's bytes; a
+    short one is the same clean error."""
+    s, data = stacks
+    direct = open_direct(s[0][0].fd, s[0][0].path)
+    if direct is None:
+        pytest.skip("the file system of the test's tmp_path refuses O_DIRECT")
+    try:
+        d = {l: [replace(st, direct=direct) for st in v] for l, v in s.items()}
+        c = _cache(3)
+        try:
+            c.place(1, d[1], np.array([0, 3, 7]))
+            _assert_holds(c, s, data, 1, [0, 3, 7])
+            beyond = [replace(st, file_offset=st.file_offset + 10**6) for st in d[0]]
+            with pytest.raises(ShortReadError, match="experts.bin: short read at offset"):
+                c.place(0, beyond, np.array([1]))
+        finally:
+            c.free()
+    finally:
+        os.close(direct)

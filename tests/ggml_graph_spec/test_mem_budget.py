@@ -49,6 +49,8 @@ stats = {"prompt_whole": whole1 - whole0, "decode_whole": getattr(x, "whole_read
          "decode_read_per_token": (read() - read1) / len(out) if budget else 0,
          "resident": plan.resident if plan else 0, "entries": c.entries if c else 0,
          "hits": c.hits if c else 0, "misses": c.misses if c else 0,
+         "prefetch": [c.predicted, c.useful, c.wasted] if c else [0, 0, 0],
+         "guessed": [getattr(x, "guess_right", 0), getattr(x, "guess_total", 0)],
          "whole_layer_read_per_token": (plan.streamed_bytes + sum(s.stride * s.count for l in plan.expert_layers
                                         for s in x.files.experts[l])) if plan else 0}
 print(json.dumps(stats))
@@ -121,9 +123,10 @@ def test_tokens_identical_at_budgets_below_a_third_of_the_model(big_gguf, exact)
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
 def test_only_the_selected_experts_are_read(big_gguf, exact):
     """At every budget the decode reads the trunks and the missed experts only: less than the
-    whole layers; no decoded token falls back to a whole expert stack; the tokens stay the same."""
+    whole layers; no decoded token falls back to a whole expert stack; the tokens stay the same,
+    with the next layer's predicted experts read ahead (ExpertCache.place's `ahead`)."""
     size = big_gguf.stat().st_size
-    ref = _run(big_gguf, exact, "none")
+    ref, prefetched = _run(big_gguf, exact, "none"), []
     for budget in (size // 5, size // 3, size // 2):
         r = _run(big_gguf, exact, str(budget))
         e = r.experts
@@ -132,6 +135,12 @@ def test_only_the_selected_experts_are_read(big_gguf, exact):
         assert e["decode_whole"] == 0, e
         assert 0 < e["decode_read_per_token"] < e["whole_layer_read_per_token"], e
         assert e["resident"] <= budget
+        predicted, useful, wasted = e["prefetch"]
+        assert useful + wasted == predicted, e  # every read ahead resolved by its layer
+        prefetched.append(predicted)
+        print(f"budget {budget}: read ahead {predicted}, useful {useful}; predicted right "
+              f"{e['guessed'][0]}/{e['guessed'][1]} of the selected experts")
+    assert max(prefetched) > 0, "no budget read an expert ahead: the identical tokens prove nothing of it"
 
 
 # (the exact path's larger compute buffer and caches leave less of a budget to the expert cache)
