@@ -18,7 +18,12 @@ read and the same bytes O_DIRECT; the fastest of the four counts for that run); 
 The bound counts the needed bytes, not the raw ones: a wasted read ahead costs time (it is in
 s/token) but does not raise the bound; where the raw count is the smaller (a page the kernel still
 held was not read from the disk), it is the one used: the stricter bound. The tokens of every budget are compared with the
-unlimited run's. The compute alone (warm_compute_s_per_token: unlimited, the GGUF read into the
+unlimited run's. A second bound, measured rather than computed: right after each run the bytes a
+token had to read are read again without compute (replay_s_per_token: the streamed trunk bytes
+from the trunk tensors, the missed experts as gate/up/down slices of random experts, O_DIRECT,
+with one and with the runner's READERS readers, the faster counts), and
+ratio_to_replayed_reads = s/token / that time: this disk's sustained speed on the requests the
+runner makes, where a 256 MB read-speed probe catches its bursts (0.3-1.9 GB/s here within minutes). The compute alone (warm_compute_s_per_token: unlimited, the GGUF read into the
 page cache first) is the floor under every s/token. Also a projection for the real K3.1-Pro from the issue's
 sizes: whole layers streamed (every expert of a streamed layer read) against the plan of
 memory/budget.py (trunks pinned first, the selected experts read into an expert cache; misses
@@ -30,9 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +50,9 @@ from gguf_arch.synth.cli import main as synth_main  # noqa: E402
 from ggml_graph_spec.memory.budget import ExpertSizes, plan_budget  # noqa: E402
 from ggml_graph_spec.memory.doctor import read_speed  # noqa: E402
 from gguf_arch.io.direct_io import open_direct, pread_direct  # noqa: E402
+from ggml_graph_spec.loader import load_gguf  # noqa: E402
+from ggml_graph_spec.memory.experts import READERS  # noqa: E402
+from ggml_graph_spec.memory.streaming import LayerFiles  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
 CHILD = """
@@ -100,11 +110,56 @@ def _run(gguf: Path, budget: str, n: int, threads: int) -> dict:
     lookups, n = s["hits"] + s["misses"], s["n"]
     return {"budget": budget, "tokens": tokens, "s_per_token": s["s"], "bytes_read_per_token": s["read"],
             "bytes_needed_per_token": (s["trunk"] + s["expert_misses"]) / n,
+            "bytes_trunk_per_token": s["trunk"] / n, "bytes_experts_missed_per_token": s["expert_misses"] / n,
             "expert_hit_rate": s["hits"] / lookups if lookups else None,
             "prefetch": {"issued": s["predicted"], "useful": s["useful"], "wasted": s["wasted"],
                          "wasted_bytes_per_token": s["wasted_bytes"] / n,
                          "prediction_accuracy": s["right"] / s["of"] if s["of"] else None},
             "summary": s["summary"]}
+
+
+def replay_s_per_token(gguf: Path, run: dict, n: int) -> float:
+    """The disk's time for the bytes a token had to read, as the runner reads them: the streamed
+    trunk bytes from the layers' trunk tensors, the missed experts as their gate/up/down slices
+    at random (layer, expert) of the file, O_DIRECT, one reader and READERS readers (the faster
+    counts), no compute; right after the run, so the disk is the one the run had."""
+    weights = load_gguf(gguf, repack=False)
+    files = LayerFiles(weights)
+    try:
+        rng = random.Random(0)
+        trunk = [(p.path, p.file_offset, p.nbytes) for l in sorted(files.layers, reverse=True)
+                 for p in files.layers[l]]
+        reads, want = [], run["bytes_trunk_per_token"] * n
+        for r in trunk * n:  # the trunk of the last layers first: those a budget streams
+            if want <= 0:
+                break
+            reads.append(r)
+            want -= r[2]
+        stacks = list(files.experts.values())
+        one = sum(st.stride for st in stacks[0]) if stacks else 1  # an expert's gate, up and down slices
+        for _ in range(round(run["bytes_experts_missed_per_token"] * n / one)):
+            layer = rng.choice(stacks)
+            e = rng.randrange(layer[0].count)
+            reads += [(st.path, st.file_offset + e * st.stride, st.stride) for st in layer]
+        return min(_timed_reads(reads, k) for k in (1, READERS)) / n if reads else 0.0
+    finally:
+        files.close()
+        weights.close()
+
+
+def _timed_reads(reads: list[tuple[str, int, int]], readers: int) -> float:
+    fds = {path: os.open(path, os.O_RDONLY) for path in {r[0] for r in reads}}
+    direct = {path: open_direct(fd, path) or fd for path, fd in fds.items()}
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(readers) as pool:
+            list(pool.map(lambda r: pread_direct(direct[r[0]], r[1], r[2]), reads))
+        return time.perf_counter() - start
+    finally:
+        for path, fd in fds.items():
+            if direct[path] != fd:
+                os.close(direct[path])
+            os.close(fd)
 
 
 def bound_bytes(run: dict) -> float:
@@ -203,6 +258,7 @@ def main() -> int:
     runs, speeds = [], [disk_speed(gguf)]
     for b in ("none", str(size // 6), str(size // 3), str(size // 2)):
         runs.append(_run(gguf, b, a.n, a.threads))
+        runs[-1]["replay_s_per_token"] = replay_s_per_token(gguf, runs[-1], a.n)
         speeds.append(disk_speed(gguf))
         runs[-1]["read_speed_bytes_per_s"] = max(speeds[-2:])
     speed, warm = max(speeds), warm_compute(gguf, a.n, a.threads)
@@ -211,6 +267,8 @@ def main() -> int:
         bound = bound_bytes(r) / r["read_speed_bytes_per_s"]
         # unlimited: the weights are in memory after the first graph; a few stray pages are no bound
         r["ratio_to_disk_bound"] = r["s_per_token"] / bound if bound and r["budget"] != "none" else None
+        replay = r["replay_s_per_token"]
+        r["ratio_to_replayed_reads"] = r["s_per_token"] / replay if replay and r["budget"] != "none" else None
     model = "generated: kimi-k3-synth " + " ".join(SYNTH) if a.model is None else gguf.name
     out = {"gguf_bytes": size, "model": model, "read_speed_bytes_per_s": speed, "read_speeds_between_runs": speeds,
            "warm_compute_s_per_token": warm, "threads": a.threads, "runs": runs, "projection_k31pro_q8_0": projection(speed)}

@@ -26,9 +26,9 @@ from gguf_arch.errors import KimiError
 from gguf_arch.io.direct_io import pread_direct
 
 _ALIGN = 64
-_READERS = 4  # parallel preads of the missed experts: a disk serves several requests at once
+READERS = 4  # parallel preads of the missed experts: a disk serves several requests at once
 # An expert read around the page cache goes in chunks of this size, each through a block-aligned
-# buffer of its reader (pread_direct): at most _READERS such buffers exist at once (32 MiB; a
+# buffer of its reader (pread_direct): at most READERS such buffers exist at once (32 MiB; a
 # K3.1-Pro expert's slice of one kind, 5.8 MB, is one read).
 _DIRECT_CHUNK = 8 << 20
 
@@ -134,7 +134,7 @@ class ExpertCache:
         self.predicted = self.useful = self.wasted = self.wasted_bytes = 0  # speculative reads (class docstring)
         self._guesses: dict[tuple[int, int], int] = {}  # predicted experts not yet resolved -> entry
         self._inflight: dict[int, list[Future]] = {}  # entry -> its reads not yet waited for
-        self._readers = ThreadPoolExecutor(_READERS, thread_name_prefix="kimi-k3-experts")
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kimi-k3-experts")
 
     @property
     def expert_bytes(self) -> int:
