@@ -252,10 +252,12 @@ def child_contexts(a: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     n_ctx = max(a.contexts) + 1
 
+    # Six models in one process, all mapped (repack=False): the default would repack the first ones
+    # and map the rest once memory runs short, so the paths would not compare like for like.
     def load(path: str, exact: bool):
         if path == "dense":
-            return Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa=False, exact_experts=exact)
-        return Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa_path=path, exact_experts=exact)
+            return Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa=False, exact_experts=exact, repack=False)
+        return Model.load(a.gguf, n_ctx=n_ctx, n_threads=a.threads, dsa_path=path, exact_experts=exact, repack=False)
 
     models = {(p, exact): load(p, exact) for p in PATHS for exact in (False, True)}
     out: dict = {"contexts": a.contexts, "top_k": [], "layer": models["masked", False].cfg.indexer.layers[0],
@@ -292,7 +294,8 @@ def child_ops(a: argparse.Namespace) -> dict:
     from ggml_graph_spec.model import Model
     rng = np.random.default_rng(0)
     out: dict = {"threads": 1, "clock": "thread CPU time", "runs": OP_PROFILE_RUNS, "contexts": a.contexts}
-    models = {p: Model.load(a.gguf, n_ctx=max(a.contexts) + 1, n_threads=1, dsa_path=p) for p in PATHS[1:]}
+    models = {p: Model.load(a.gguf, n_ctx=max(a.contexts) + 1, n_threads=1, dsa_path=p, repack=False)
+              for p in PATHS[1:]}
     for p, m in models.items():
         m.eval([1])  # warm-up
         out[p] = []
