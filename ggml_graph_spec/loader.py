@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import ggml
-import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
