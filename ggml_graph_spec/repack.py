@@ -25,11 +25,7 @@ import ggml
 from gguf_arch.io.console import human_size
 from gguf_arch.errors import GGUFError
 
-from .memory.host import usable_memory
-
-# The GGUF must fit in this share of the usable memory for the default to repack: the rest is for
-# the caches, the compute buffers and what else runs (llama.cpp repacks whatever the size).
-REPACK_FITS = 0.9
+from .memory.host import MODEL_SHARE, usable_memory
 
 _last_log_level = ggml.GGML_LOG_LEVEL_INFO
 
@@ -134,11 +130,12 @@ def resolve_repack(repack: bool | None, *, exact: bool, rpc: bool, mem_budget: b
 
 
 def choose_repack(gguf_bytes: int) -> tuple[bool, str]:
-    """The default's choice for a GGUF of this size, and why (for the print_info line)."""
+    """The default's choice for a GGUF of this size, and why (for the print_info line): it must fit
+    in MODEL_SHARE of the usable memory (llama.cpp repacks whatever the size)."""
     usable = usable_memory()
-    if gguf_bytes <= REPACK_FITS * usable:
+    if gguf_bytes <= MODEL_SHARE * usable:
         return True, f"default: the {human_size(gguf_bytes)} GGUF fits in {human_size(usable)} usable; -nr keeps them mapped"
-    return False, (f"default: the {human_size(gguf_bytes)} GGUF is more than {REPACK_FITS:.0%} of the "
+    return False, (f"default: the {human_size(gguf_bytes)} GGUF is more than {MODEL_SHARE:.0%} of the "
                    f"{human_size(usable)} usable; --repack forces it")
 
 

@@ -24,7 +24,7 @@ from gguf_arch.errors import run_cli
 from gguf_arch.io.console import ArgumentParser
 
 from .budget import PRESETS, BudgetError, plan_budget
-from .host import cgroup_limit, usable_memory
+from .host import MODEL_SHARE, cgroup_limit, usable_memory
 from .listing import ModelLayout, gguf_layout, is_listing, listing_layout
 
 _CHUNK = 8 << 20
@@ -57,15 +57,14 @@ def report(path: Path, disk: Path | None = None) -> list[str]:
     speed_from = [str(disk)] if disk is not None else [] if layout.planned else layout.paths
     speed = read_speed(speed_from) if speed_from else None
     mem, limit, usable = psutil.virtual_memory(), cgroup_limit(), usable_memory()
-    total = sum(layout.layers) + layout.outside + layout.experts
     where = Path(layout.paths[0]).resolve().parent
     lines = [f"RAM          {mem.total} bytes, {mem.available} available" +
              (f", cgroup limit {limit}" if limit else ", no cgroup limit"),
-             _free_disk(where, total if layout.planned else None),
+             _free_disk(where, layout.total if layout.planned else None),
              f"read speed   {speed / 1e6:.1f} MB/s (sequential, uncached, {len(speed_from)} file(s))" if speed else
              "read speed   not measured: the GGUF of a listing is not there yet; give --disk FILE, a large file "
              "on the disk it will be on",
-             f"weights      trunk {sum(layout.layers) + layout.outside} bytes, experts {layout.experts} bytes"
+             f"weights      trunk {layout.trunk} bytes, experts {layout.experts} bytes"
              + (f" (planned by {path})" if layout.planned else "")]
     lines += _presets(layout, speed, usable)
     return lines
@@ -99,13 +98,13 @@ def _presets(layout: ModelLayout, speed: float | None, usable: int) -> list[str]
 
 def _command(layout: ModelLayout, preset: str | None, usable: int) -> str:
     """The command to run: no budget if the model fits, else the largest preset that does, else a
-    budget of 90% of the usable memory when the model can be planned in it."""
+    budget of MODEL_SHARE of the usable memory (in whole GiB) when the model can be planned in it."""
     run = f"run: kimi-k3-cli -m {layout.paths[0]}"
-    if sum(layout.layers) + layout.outside + layout.experts <= usable:
+    if layout.total <= usable:
         return run + "  (the whole model fits in memory)"
     if preset is not None:
         return f"{run} --mem-budget {preset}"
-    budget = int(0.9 * usable) >> 30 << 30
+    budget = int(MODEL_SHARE * usable) >> 30 << 30
     try:
         plan_budget(budget, layout.outside, layout.layers, layout.sizes)
     except BudgetError:

@@ -6,6 +6,10 @@ from pathlib import Path
 
 import psutil
 
+# The share of the usable memory a model may take (the runner's default repack, kimi-k3-doctor's
+# suggested --mem-budget): the rest is for the caches, the compute buffers and what else runs.
+MODEL_SHARE = 0.9
+
 
 def cgroup_limit() -> int | None:
     """The memory limit of this process's cgroup (v2 memory.max or v1 limit_in_bytes), if any."""

@@ -30,6 +30,15 @@ class ModelLayout:
     paths: list[str]  # the GGUF's files (a listing's: as planned, maybe not there yet)
     planned: bool  # from a dry-run listing
 
+    @property
+    def trunk(self) -> int:
+        """Bytes of every tensor but the routed experts."""
+        return sum(self.layers) + self.outside
+
+    @property
+    def total(self) -> int:
+        return self.trunk + self.experts
+
 
 def is_listing(path: Path) -> bool:
     """A saved dry run: a text file whose first line is the converter's header."""

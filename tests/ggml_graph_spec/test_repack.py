@@ -149,12 +149,12 @@ def test_default_reads_the_experts_from_the_file_where_they_are_streamed_or_exac
 
 @pytest.mark.parametrize("usable,expected", [(100 << 20, True), (50 << 20, False)])
 def test_default_repacks_only_what_fits_in_usable_memory(monkeypatch, usable, expected):
-    """The rule: the GGUF within REPACK_FITS of the usable memory (RAM available, cgroup limit)."""
+    """The rule: the GGUF within MODEL_SHARE of the usable memory (RAM available, cgroup limit)."""
     from ggml_graph_spec import repack
     monkeypatch.setattr(repack, "usable_memory", lambda: usable)
-    size = int(repack.REPACK_FITS * (60 << 20))
+    size = int(repack.MODEL_SHARE * (60 << 20))
     chosen, why = repack.choose_repack(size)
     assert chosen is expected
     assert ("-nr keeps them mapped" if expected else "--repack forces it") in why
-    assert repack.choose_repack(int(repack.REPACK_FITS * usable))[0] is True
-    assert repack.choose_repack(int(repack.REPACK_FITS * usable) + 1)[0] is False
+    assert repack.choose_repack(int(repack.MODEL_SHARE * usable))[0] is True
+    assert repack.choose_repack(int(repack.MODEL_SHARE * usable) + 1)[0] is False
