@@ -182,7 +182,7 @@ class Model:
         budget = parse_size(mem_budget)
         if self.devices is not None or self.weights.repacked:
             raise EvalError("mem_budget streams the mapped layers on this host: not with rpc or repack")
-        return StreamingExecutor(self.weights, budget, n_threads)
+        return StreamingExecutor(self.weights, budget, n_threads, exact=self.exact)
 
     def _connect(self, rpc, tensor_split, n_threads: int, progress: bool) -> Devices | None:
         """The RPC servers with their layers uploaded (None: everything on the local CPU)."""

@@ -47,9 +47,15 @@ def _select(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
 
 def predict_experts(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """Layer w's router applied to another layer's FFN input x ([n_embd, T], before the norm):
-    the experts w's layer would select for x, I32 [k, T]. A memory budget's executor reads them
-    early (memory/streaming.py); the ids the layer uses are always its own router's."""
-    return _select(g, w, ffn_norm(g, w, x))[1]
+    the experts w's layer would select for x, I32 [k, T], the likeliest first (ggml_top_k's ids
+    come in no order: a full descending argsort, cut to k). A memory budget's executor reads them
+    early, the likeliest first (memory/streaming.py); the ids the layer uses are always its own
+    router's."""
+    c, wx = g.ctx, ffn_norm(g, w, x)
+    scores = ggml.ggml_add(c, ggml.ggml_sigmoid(c, _router_logits(g, w, wx)), w(EXP_PROBS_B))
+    order = ggml.ggml_argsort(c, scores, ggml.GGML_SORT_ORDER_DESC)  # [E, T]
+    k = g.cfg.num_experts_used
+    return ggml.ggml_cont(c, ggml.ggml_view_2d(c, order, k, g.n_tokens, order.contents.nb[1], 0))
 
 
 def _route(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -55,7 +55,7 @@ def gguf_layout(path: Path) -> ModelLayout:
         files = LayerFiles(weights)
         try:
             return ModelLayout(files.layer_bytes(), files.outside, files.expert_bytes(),
-                               files.expert_sizes(weights.cfg.num_experts_used),
+                               files.expert_sizes(weights.cfg.num_experts_used, pitched=True),
                                [p for p, _, _ in weights.mapped_files], planned=False)
         finally:
             files.close()

@@ -34,7 +34,7 @@ from gguf_arch.io.direct_io import open_direct
 
 from ..graph import I32, Executor, GraphBuild
 from .budget import N_SLOTS, BudgetError, BudgetPlan, ExpertSizes, plan_budget
-from .experts import ExpertCache, ExpertStack, pread_into
+from .experts import ExpertCache, ExpertStack, pitches, pread_into
 
 _ALIGN = 64  # slot offsets: above ggml's TENSOR_ALIGNMENT (32)
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -104,14 +104,15 @@ class LayerFiles:
         """Bytes of each layer's trunk (every tensor but the routed experts)."""
         return [sum(slot_align(p.nbytes) for p in self.layers.get(l, ())) for l in range(self.n_layers)]
 
-    def expert_sizes(self, used: int) -> ExpertSizes | None:
-        """The experts for the plan; None when the MoE layers' experts differ in shape (then the
-        cache, one shape per kind, cannot serve them all and no expert is streamed alone)."""
+    def expert_sizes(self, used: int, pitched: bool) -> ExpertSizes | None:
+        """The experts for the plan (the bytes of an entry of a cache `pitched` or not); None when
+        the MoE layers' experts differ in shape (then the cache, one shape per kind, cannot serve
+        them all and no expert is streamed alone)."""
         shapes = {tuple(s.shape for s in v) for v in self.experts.values()}
         if len(shapes) != 1 or len(next(iter(shapes))) != len(EXPERT_KINDS):
             return None
         per_layer = tuple(self.experts[l][0].count if l in self.experts else 0 for l in range(self.n_layers))
-        return ExpertSizes(per_layer, sum(slot_align(s[3]) for s in next(iter(shapes))), used)
+        return ExpertSizes(per_layer, sum(pitches([s[3] for s in next(iter(shapes))], pitched)), used)
 
     def expert_bytes(self) -> int:
         return sum(s.stride * s.count for v in self.experts.values() for s in v)
@@ -173,9 +174,10 @@ class StreamingExecutor(Executor):
 
     segments = True  # each layer's nodes contiguous, in order (GraphBuild.begin_segment)
 
-    def __init__(self, weights, budget: int, n_threads: int):
+    def __init__(self, weights, budget: int, n_threads: int, exact: bool = False):
         super().__init__(n_threads)
         self.budget = budget
+        self.pitched = not exact  # the expert cache's layout (memory/experts.py)
         self.files = LayerFiles(weights)
         self._used = weights.cfg.num_experts_used
         self.plan_: BudgetPlan | None = None
@@ -211,7 +213,7 @@ class StreamingExecutor(Executor):
 
     def _make_plan(self) -> BudgetPlan:
         compute = ggml.ggml_gallocr_get_buffer_size(self._galloc, 0)
-        sizes = self.files.expert_sizes(self._used)
+        sizes = self.files.expert_sizes(self._used, self.pitched)
         if sizes is None and self.files.experts:
             raise BudgetError("--mem-budget: the MoE layers' routed experts differ in shape; one expert cache "
                               "cannot hold them")
@@ -221,7 +223,8 @@ class StreamingExecutor(Executor):
         self._slots = [s[(-s.ctypes.data) % _ALIGN:][:plan.slot_bytes] for s in self._slots]
         if plan.cache_entries:
             kinds = [s.shape for s in self.files.experts[plan.expert_layers[0]]]
-            self.cache = ExpertCache(kinds, plan.cache_entries, ggml.ggml_backend_get_default_buffer_type(self.backend))
+            self.cache = ExpertCache(kinds, plan.cache_entries, ggml.ggml_backend_get_default_buffer_type(self.backend),
+                                     self.pitched)
         pinned = [(p.tensor.contents.data, p.nbytes) for l in plan.pinned for p in self.files.layers.get(l, [])]
         if not plan.expert_layers:  # the whole model fits: its experts are pinned too
             pinned += [(s.tensor.contents.data, s.stride * s.count) for v in self.files.experts.values() for s in v]
@@ -238,16 +241,16 @@ class StreamingExecutor(Executor):
         slots = g.input(f"expert_entries_{layer}", I32, (k, T), np.zeros((T, k), np.int32))
         ggml.ggml_set_output(slots)
         names = [ggml.ggml_get_name(t) + b" (cache)" for t in experts]
-        pool = self.cache.tensors(g.ctx, names, self.files.experts[layer][0].count)
+        pool = self.cache.tensors(g.ctx, names, self.files.experts[layer])
         self._bound[layer] = _Bound(ids, slots, pool)
         return slots, pool
 
     def predict_experts(self, g: GraphBuild, layer: int, build) -> None:
         """GraphBuild's hook before a MoE layer's FFN: `build()` makes the next MoE layer's
-        predicted ids there. Asked for where both layers' experts come from the cache and the
-        next layer's trunk (its router) is resident: a streamed trunk is not in a slot yet."""
+        predicted ids there. Asked for where the next layer's experts come from the cache and
+        its trunk (its router) is resident: a streamed trunk is not in a slot yet."""
         p = self.plan_
-        if p is None or self.cache is None or layer in p.streamed or not {layer - 1, layer} <= set(p.expert_layers):
+        if p is None or self.cache is None or layer in p.streamed or layer not in p.expert_layers:
             return
         ids = build()
         ggml.ggml_set_output(ids)
@@ -268,7 +271,7 @@ class StreamingExecutor(Executor):
             if segment in bound:
                 status = self._run_moe(g, (views, nodes), segment, bound[segment], (i0, i1))
             else:
-                status = self._compute(g, i0, i1)
+                status = self._run_plain(g, nodes, segment, (i0, i1))
                 if segment in experts:  # a graph built before the plan (Executor.plan): the mapped experts
                     self._whole(segment)
             if status != ggml.GGML_STATUS_SUCCESS:
@@ -281,6 +284,20 @@ class StreamingExecutor(Executor):
         view = ggml.ggml_graph_view(g.gf, i0, i1)
         return ggml.ggml_backend_graph_compute(self.backend, ctypes.pointer(view))
 
+    def _run_plain(self, g: GraphBuild, nodes: list[int], segment: int, run: tuple[int, int]) -> int:
+        """A segment whose experts (if any) are not the cache's. One that predicts the next MoE
+        layer's (a dense layer before one) is run up to the prediction, the predicted experts'
+        reads started, then the rest: its FFN and the next layer's attention hide them."""
+        (i0, i1), nxt = run, self._ahead.get(segment + 1) if isinstance(segment, int) else None  # not the output's
+        if nxt is None or self.cache is None:
+            return self._compute(g, i0, i1)
+        split = nodes.index(ctypes.addressof(nxt.contents), i0, i1) + 1
+        status = self._compute(g, i0, split)
+        if status == ggml.GGML_STATUS_SUCCESS:
+            self.cache.read_ahead(*self._guess(segment))
+            status = self._compute(g, split, i1)
+        return status
+
     def _run_moe(self, g: GraphBuild, scan: tuple, layer: int, b: _Bound, run: tuple[int, int]) -> int:
         """The layer up to its expert matmuls, the selected experts brought in, then the rest."""
         (views, nodes), (i0, i1) = scan, run
@@ -290,10 +307,12 @@ class StreamingExecutor(Executor):
             return status
         ids = self.read(b.ids).astype(np.int32)
         experts, inverse = np.unique(ids, return_inverse=True)
-        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(layer, experts))
+        self._score(layer, experts)
+        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(layer))
         if entries is None:  # more experts than the cache holds: the mapped stacks, whole
-            for t, s in zip(b.pool, self.files.experts[layer]):
+            for t, s in zip(b.pool, self.files.experts[layer]):  # (the pitched path has no view to restride)
                 _point(views, t, s.tensor.contents.data)
+                t.contents.nb[2], t.contents.nb[3] = s.stride, s.stride * t.contents.ne[2]
             value = ids
         else:
             value = entries[inverse.reshape(ids.shape)]
@@ -304,17 +323,20 @@ class StreamingExecutor(Executor):
             self._whole(layer)
         return status
 
-    def _guess(self, layer: int, experts: np.ndarray) -> tuple | None:
-        """The next MoE layer's predicted experts (for ExpertCache.place's `ahead`), if this graph
-        predicted them; scores the prediction made for `layer` against its selection."""
+    def _score(self, layer: int, experts: np.ndarray) -> None:
+        """Count the prediction made for `layer` (if any) against its selection."""
         guessed = self._guessed.pop(layer, None)
         if guessed is not None:
             self.guess_right += len(guessed & set(experts.tolist()))
             self.guess_total += len(experts)
+
+    def _guess(self, layer: int) -> tuple | None:
+        """The next MoE layer's predicted experts (ExpertCache.place's `ahead`), if this graph
+        predicted them in `layer`."""
         nxt = self._ahead.get(layer + 1)
         if nxt is None:
             return None
-        predicted = np.unique(self.read(nxt))
+        predicted = np.array(list(dict.fromkeys(self.read(nxt).ravel().tolist())), np.int64)  # in the order given
         self._guessed[layer + 1] = set(predicted.tolist())
         return layer + 1, self.files.experts[layer + 1], predicted
 

@@ -7,7 +7,8 @@ time (page-cache copies and writeback), the same bytes written with O_DIRECT 2.3
 also has no use for the bytes in the page cache: they would only evict what is still to be read.
 
 Reads (`pread_direct`): the range is widened to whole blocks, read into a block-aligned buffer,
-and the caller gets a view of the bytes it asked for: no copy. Small reads stay buffered (the
+and the caller gets a view of the bytes it asked for: no copy. Or (`pread_direct_at`) the
+blocks go straight to the caller's memory, laid out so that the bytes land where it wants them. Small reads stay buffered (the
 kernel's read-ahead serves runs of small tensors better than one device round trip each).
 
 Writes (`SequentialWriter`): O_DIRECT wants the buffer address, the file offset and the length
@@ -19,11 +20,13 @@ systems: EINVAL on the flag or on the first write) the same writes go through th
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -83,6 +86,32 @@ def pread_direct(fd: int, offset: int, nbytes: int) -> memoryview:
         if n == 0 or (done < need and done % BLOCK):  # the end of the file: a short, unaligned read
             raise EOFError(os.fstat(fd).st_size)
     return view[offset - start:offset - start + nbytes]
+
+
+def pread_direct_at(fd: int, addr: int, offset: int, nbytes: int, chunk: int = 0,
+                    stop: Callable[[], bool] | None = None) -> int:
+    """`nbytes` from `offset` of an O_DIRECT descriptor straight to memory at addr, no copy: the
+    whole blocks around them are read to the whole blocks around addr, so addr must be congruent
+    to offset modulo BLOCK and those blocks the caller's. In requests of at most `chunk` bytes
+    (a multiple of BLOCK; 0: one), `stop()` asked before each: True ends the read there. Returns
+    the bytes of the range delivered (nbytes unless stopped). EOFError(the file's size) when the
+    file ends first; OSError(EINVAL) as pread_direct."""
+    lead = offset % BLOCK
+    if (addr - offset) % BLOCK or chunk % BLOCK:
+        raise ValueError(f"address {addr:#x} is not congruent to offset {offset} modulo {BLOCK}, or chunk {chunk} "
+                         "is not whole blocks")
+    want = lead + nbytes
+    size = -(-want // BLOCK) * BLOCK
+    view = memoryview((ctypes.c_char * size).from_address(addr - lead)).cast("B")
+    done = 0
+    while done < want:
+        if stop is not None and stop():
+            return max(0, done - lead)
+        n = os.preadv(fd, [view[done:done + chunk] if chunk else view[done:]], offset - lead + done)
+        done += n
+        if n == 0 or (done < want and done % BLOCK):  # the end of the file
+            raise EOFError(os.fstat(fd).st_size)
+    return nbytes
 
 
 class SequentialWriter:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gguf_arch.errors import KimiError
-from gguf_arch.io.direct_io import open_direct
+from gguf_arch.io.direct_io import BLOCK, open_direct
 from ggml_graph_spec.memory.budget import BudgetError, ExpertSizes, plan_budget
 from ggml_graph_spec.memory.experts import ExpertCache, ExpertStack, ShortReadError
 
@@ -46,8 +46,10 @@ def _cache(entries: int) -> ExpertCache:
     return ExpertCache(kinds, entries, ggml.ggml_backend_get_default_buffer_type(_BACKEND))
 
 
-def _held(cache: ExpertCache, entry: int, kind: int) -> bytes:
-    return ctypes.string_at(cache.bases[kind] + int(entry) * STRIDES[kind], STRIDES[kind])
+def _held(cache: ExpertCache, entry: int, kind: int, stack: ExpertStack | None = None) -> bytes:
+    if stack is None:  # the contiguous layout: entry i of a kind is i strides into its region
+        return ctypes.string_at(cache.bases[kind] + int(entry) * STRIDES[kind], STRIDES[kind])
+    return ctypes.string_at(cache.address(kind, int(entry), stack), stack.stride)
 
 
 def test_hits_misses_and_the_bytes_read(stacks):
@@ -224,3 +226,77 @@ def test_reads_around_the_page_cache_are_the_file_bytes(stacks):
             c.free()
     finally:
         os.close(direct)
+
+
+BLOCK_STRIDES = (2 * BLOCK, BLOCK, 3 * BLOCK)  # experts of whole blocks: a pitched cache
+
+
+@pytest.fixture
+def block_stacks(tmp_path):
+    """Three layers' stacks of whole-block experts, each layer at another place in a block."""
+    n = 4
+    data = np.random.default_rng(1).integers(0, 256, 100 + 3 * (n * sum(BLOCK_STRIDES) + 1000), dtype=np.uint8)
+    path = tmp_path / "experts.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    direct = open_direct(fd, path)
+    out, off = {}, 100
+    for layer in range(3):
+        out[layer] = []
+        for stride in BLOCK_STRIDES:
+            out[layer].append(ExpertStack(None, fd, str(path), off, stride, n, direct))
+            off += stride * n
+        off += 1000  # the next layer's shift differs
+    yield out, data
+    if direct is not None:
+        os.close(direct)
+    os.close(fd)
+
+
+def _block_cache(entries: int, pitched: bool) -> ExpertCache:
+    kinds = [(ggml.GGML_TYPE_I8, s, 1, s) for s in BLOCK_STRIDES]
+    return ExpertCache(kinds, entries, ggml.ggml_backend_get_default_buffer_type(_BACKEND), pitched)
+
+
+def test_pitched_entries_hold_each_layer_at_its_shift(block_stacks):
+    """Entries reused across layers whose stacks sit at different places in a block: every held
+    expert is the file's bytes at the address the layer's graph tensor gives it (data + entry *
+    nb[2]), whatever its neighbours hold; the exact path's (not pitched) is contiguous."""
+    s, data = block_stacks
+    assert {st.file_offset % BLOCK for v in s.values() for st in v[:1]} == {100, 1100, 2100}
+    c = _block_cache(3, pitched=True)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=1 << 16, mem_buffer=None, no_alloc=True))
+    try:
+        assert c.pitched and c.pitches == [st + BLOCK for st in BLOCK_STRIDES]
+        for layer, experts in ((0, [0, 1, 2]), (1, [3]), (2, [1]), (0, [2]), (1, [0, 3])):
+            c.place(layer, s[layer], np.array(experts))
+        for (layer, e), entry in c._where.items():
+            tensors = c.tensors(ctx, [b"g", b"u", b"d"], s[layer])
+            for kind, (t, st) in enumerate(zip(tensors, s[layer])):
+                addr = t.contents.data + entry * t.contents.nb[2]
+                assert addr == c.address(kind, entry, st) and t.contents.nb[2] == c.pitches[kind]
+                lo = st.file_offset + e * st.stride
+                assert ctypes.string_at(addr, st.stride) == data[lo:lo + st.stride].tobytes(), (layer, e, kind)
+        flat = _block_cache(3, pitched=False)
+        assert not flat.pitched and flat.pitches == list(BLOCK_STRIDES)
+        flat.free()
+    finally:
+        ggml.ggml_free(ctx)
+        c.free()
+
+
+def test_a_stopped_read_reads_nothing_more(block_stacks):
+    """A read told to stop (a prediction let go) returns the bytes it delivered: none when told first."""
+    s, data = block_stacks
+    st = s[1][2]
+    if st.direct is None:
+        pytest.skip("the file system of the test's tmp_path refuses O_DIRECT")
+    c = _block_cache(2, pitched=True)
+    try:
+        addr = c.address(2, 0, st)
+        assert st.read(addr, 1, True, lambda: True) == 0
+        assert st.read(addr, 1, True) == st.stride
+        lo = st.file_offset + st.stride
+        assert ctypes.string_at(addr, st.stride) == data[lo:lo + st.stride].tobytes()
+    finally:
+        c.free()

@@ -36,6 +36,7 @@ def read():
 whole0 = getattr(x, "whole_reads", 0)
 logits, out = m.eval([(7 * i + 1) % 50 for i in range(24)]), []
 whole1, read1 = getattr(x, "whole_reads", 0), read() if budget else 0
+guessed1 = getattr(x, "guess_total", 0)
 for _ in range(6):
     out.append(int(np.argmax(logits[-1])))
     logits = m.eval([out[-1]])
@@ -51,6 +52,9 @@ stats = {"prompt_whole": whole1 - whole0, "decode_whole": getattr(x, "whole_read
          "hits": c.hits if c else 0, "misses": c.misses if c else 0,
          "prefetch": [c.predicted, c.useful, c.wasted] if c else [0, 0, 0],
          "guessed": [getattr(x, "guess_right", 0), getattr(x, "guess_total", 0)],
+         "decode_guessed": getattr(x, "guess_total", 0) - guessed1, "decoded": len(out),
+         "used": m.cfg.num_experts_used, "moe_layers": len(plan.expert_layers) if plan else 0,
+         "pitched": bool(c and c.pitched), "trunks_streamed": len(plan.streamed) if plan else 0,
          "whole_layer_read_per_token": (plan.streamed_bytes + sum(s.stride * s.count for l in plan.expert_layers
                                         for s in x.files.experts[l])) if plan else 0}
 print(json.dumps(stats))
@@ -63,6 +67,18 @@ def big_gguf(tmp_path_factory) -> Path:
     """A generated K3.1-Pro with 64 experts per layer (~4 MB): several times the budgets below."""
     d = tmp_path_factory.mktemp("membudget")
     assert synth_main(["--preset", "tiny", "--experts", "64", str(d / "hf")]) == 0
+    assert convert_kimi_k3.main([str(d / "hf"), str(d / "m.gguf"), "--quiet"]) == 0
+    return d / "m.gguf"
+
+
+@pytest.fixture(scope="module")
+def pitched_gguf(tmp_path_factory) -> Path:
+    """Experts of whole blocks (latent 256 x 512 MXFP4: 69,632 bytes = 17 x 4096 a slice, as the
+    real model's 5.8 MB are 1428 blocks), their stacks at file offsets that differ from layer to
+    layer modulo the block: the fast path's expert cache is pitched (memory/experts.py; ~84 MB)."""
+    d = tmp_path_factory.mktemp("pitched")
+    assert synth_main(["--preset", "tiny", "--experts", "32", "--latent", "256", "--moe-intermediate", "512",
+                       str(d / "hf")]) == 0
     assert convert_kimi_k3.main([str(d / "hf"), str(d / "m.gguf"), "--quiet"]) == 0
     return d / "m.gguf"
 
@@ -141,6 +157,21 @@ def test_only_the_selected_experts_are_read(big_gguf, exact):
         print(f"budget {budget}: read ahead {predicted}, useful {useful}; predicted right "
               f"{e['guessed'][0]}/{e['guessed'][1]} of the selected experts")
     assert max(prefetched) > 0, "no budget read an expert ahead: the identical tokens prove nothing of it"
+
+
+def test_pitched_entries_hold_every_layer_at_its_own_offset(pitched_gguf):
+    """Experts read with O_DIRECT straight into pitched entries, each layer's at its own place in
+    a block, entries reused across layers: the tokens are the unlimited run's. Every MoE layer's
+    experts are predicted, the first one's from the dense layer before it."""
+    size, ref = pitched_gguf.stat().st_size, _run(pitched_gguf, False, "none")
+    for budget in (size // 5, size // 2):
+        r = _run(pitched_gguf, False, str(budget))
+        e = r.experts
+        assert e["pitched"] and e["misses"] > e["entries"], e  # entries were reused
+        assert r.tokens == ref.tokens, f"budget {budget}"
+        assert e["decode_whole"] == 0 and e["prefetch"][0] > 0, e
+        assert e["trunks_streamed"] == 0, e  # the premise: every router resident, so every layer predicted
+        assert e["decode_guessed"] == e["decoded"] * e["used"] * e["moe_layers"], e
 
 
 # (the exact path's larger compute buffer and caches leave less of a budget to the expert cache)

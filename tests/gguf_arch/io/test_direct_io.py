@@ -128,6 +128,56 @@ def test_a_direct_read_past_the_end_is_an_eof_error(direct_file, offset, nbytes)
     assert end.value.args[0] == len(data)  # where the file ends
 
 
+def _room(offset: int, nbytes: int) -> tuple[np.ndarray, int]:
+    """Block-aligned memory for pread_direct_at, a guard block each side; the address at which
+    the bytes of `offset` are to land (congruent to it modulo BLOCK)."""
+    mem = np.full(-(-(offset % BLOCK + nbytes) // BLOCK) * BLOCK + 4 * BLOCK, 0xAB, np.uint8)
+    pad = -mem.ctypes.data % BLOCK
+    return mem, mem.ctypes.data + pad + BLOCK + offset % BLOCK
+
+
+@pytest.mark.parametrize("offset,nbytes", [(0, BLOCK), (123, 3 * BLOCK + 5), (BLOCK - 1, 2), (5 * BLOCK + 700, 77),
+                                           (0, 5 * BLOCK + 777)])
+@pytest.mark.parametrize("chunk", [0, BLOCK, 2 * BLOCK])
+def test_direct_reads_straight_to_memory_land_where_asked(direct_file, offset, nbytes, chunk):
+    """pread_direct_at: the file's bytes at addr, in requests of any whole-block size, nothing
+    written outside the blocks around them (the guard blocks keep their fill)."""
+    data, direct, path = direct_file
+    mem, addr = _room(offset, nbytes)
+    assert direct_io.pread_direct_at(direct, addr, offset, nbytes, chunk) == nbytes
+    start = addr - mem.ctypes.data
+    assert mem[start:start + nbytes].tobytes() == data[offset:offset + nbytes]
+    lo, hi = start - offset % BLOCK, start - offset % BLOCK + -(-(offset % BLOCK + nbytes) // BLOCK) * BLOCK
+    assert (mem[:lo] == 0xAB).all() and (mem[hi:] == 0xAB).all()
+    assert resident_pages(path) == 0
+
+
+def test_a_direct_read_straight_to_memory_stops_between_requests(direct_file):
+    data, direct, _ = direct_file
+    mem, addr = _room(100, 4 * BLOCK)
+    asked = []
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 2  # two requests, then stop
+    assert direct_io.pread_direct_at(direct, addr, 100, 4 * BLOCK, BLOCK, stop) == 2 * BLOCK - 100
+    start = addr - mem.ctypes.data
+    assert mem[start:start + 2 * BLOCK - 100].tobytes() == data[100:2 * BLOCK]
+    assert direct_io.pread_direct_at(direct, addr, 100, 4 * BLOCK, BLOCK, lambda: True) == 0
+
+
+def test_a_direct_read_straight_to_memory_checks_its_layout_and_the_end(direct_file):
+    data, direct, _ = direct_file
+    mem, addr = _room(100, BLOCK)
+    with pytest.raises(ValueError, match="not congruent"):
+        direct_io.pread_direct_at(direct, addr + 1, 100, BLOCK)
+    with pytest.raises(ValueError, match="whole blocks"):
+        direct_io.pread_direct_at(direct, addr, 100, BLOCK, chunk=1000)
+    mem, addr = _room(5 * BLOCK, 1000)
+    with pytest.raises(EOFError) as end:
+        direct_io.pread_direct_at(direct, addr, 5 * BLOCK, 1000)
+    assert end.value.args[0] == len(data)
+
+
 def test_open_direct_refuses_a_path_that_is_another_file_now(tmp_path):
     (tmp_path / "a").write_bytes(b"a" * BLOCK)
     fd = os.open(tmp_path / "a", os.O_RDONLY)
