@@ -14,6 +14,7 @@ from gguf_arch.errors import GGUFError
 
 from ..loader import load_gguf
 from .budget import ExpertSizes
+from .experts import pitches
 from .streaming import EXPERT_KINDS, LayerFiles, slot_align
 
 _MOE_KEYS = {k.full_name: k.name for k in ARCH_KEYS if k.name in MOE_LISTED}
@@ -107,6 +108,6 @@ def _from_listing(path: Path, trunks: dict[int, int], exps: dict[int, dict[str, 
     strides = {tuple(kinds[k] // count for k in EXPERT_KINDS) for kinds in exps.values()}
     sizes = None if len(strides) != 1 else ExpertSizes(
         tuple(count if l in exps else 0 for l in range(n_layers)),
-        sum(slot_align(s) for s in next(iter(strides))), keys["expert_used_count"])
+        sum(pitches(list(next(iter(strides))), pitched=True)), keys["expert_used_count"])
     return ModelLayout([trunks.get(l, 0) for l in range(n_layers)], outside,
                        sum(b for kinds in exps.values() for b in kinds.values()), sizes, paths, planned=True)

@@ -5,21 +5,24 @@ The graph is built and allocated as always (weights mapped from the file); only 
 changes: the executor runs it one segment (layer) at a time through `ggml_graph_view`, and
 before a streamed layer's segment points that layer's trunk tensors (everything but the routed
 experts; and the graph's views of them, whose addresses ggml-alloc fixed from the mapping) at a
-slot the prefetch thread filled with `pread`. A MoE layer's segment is run in two parts, split at
+slot the prefetch thread filled: one read per run of adjacent tensors (a layer's trunk is one
+in a GGUF), laid out in the slot as in the file so that O_DIRECT reads it straight in. A MoE layer's segment is run in two parts, split at
 the first node that reads the experts: the first part computes the router's top-k ids; the
 executor reads them back, has the expert cache hold those experts (reading the missed ones) and
 writes their cache entries into the ids input of the expert matmuls (the router's own ids, which
 the gating weights' get_rows read, are left as they are); the second part computes the experts
 from the cache. When a batch selects more experts than the cache holds, the layer's mapped expert
 stacks are used whole and their pages dropped after. The plan is made before the first graph is
-built, from a graph planned for the purpose (`wants_plan`): its compute buffer is part of it. Reads are large and sequential, and the pages they went through are dropped
-(POSIX_FADV_DONTNEED) so the page cache holds none of the streamed bytes and the pinned prefix
-keeps its pages (mlock, best effort).
+built, from a graph planned for the purpose (`wants_plan`): its compute buffer is part of it.
+Reads are large and sequential and go around the page cache (or their pages are dropped after,
+POSIX_FADV_DONTNEED, where the file system refuses O_DIRECT), so the page cache holds none of the
+streamed bytes and the pinned prefix keeps its pages (mlock, best effort).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import re
@@ -30,13 +33,15 @@ import ggml
 import numpy as np
 
 from gguf_arch.arch.tensors import ROUTED_EXPERTS
-from gguf_arch.io.direct_io import open_direct
+from gguf_arch.io.direct_io import BLOCK, open_direct, pread_direct_at
 
 from ..graph import I32, Executor, GraphBuild
 from .budget import N_SLOTS, BudgetError, BudgetPlan, ExpertSizes, plan_budget
-from .experts import ExpertCache, ExpertStack, pitches, pread_into
+from .experts import ExpertCache, ExpertStack, ShortReadError, pitches, pread_into
 
-_ALIGN = 64  # slot offsets: above ggml's TENSOR_ALIGNMENT (32)
+_ALIGN = 64  # what a trunk tensor counts for in the plan: above ggml's TENSOR_ALIGNMENT (32)
+_GAP = BLOCK  # trunk tensors at most this far apart in a file are one run, read as one (the gap too)
+_TRUNK_CHUNK = 8 << 20  # a run's O_DIRECT requests (as kimi-k3-doctor's sequential read)
 _LAYER = re.compile(r"blk\.(\d+)\.")
 EXPERT_KINDS = tuple(n.split("}.", 1)[-1].split(".", 1)[0] for n in ROUTED_EXPERTS)  # ffn_gate_exps, ...
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -44,6 +49,20 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 
 def slot_align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Trunk tensors of a layer next to each other in one file, read as one (O_DIRECT where the
+    file system allows): their bytes land in the slot at `slot_offset`, congruent to the file
+    offset modulo BLOCK, so the blocks around them are read straight in (pread_direct_at)."""
+
+    fd: int
+    direct: int | None
+    path: str
+    file_offset: int
+    nbytes: int
+    slot_offset: int
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,8 @@ class LayerFiles:
         self._direct = [open_direct(fd, path) for fd, path in zip(self._fds, self._paths)]
         maps = [(base, size) for _, base, size in weights.mapped_files]
         self.layers: dict[int, list[_Piece]] = {}
+        self.runs: dict[int, list[_Run]] = {}
+        self.slot_sizes: dict[int, int] = {}  # a layer's trunk in a slot, laid out as in the file (_place)
         self.experts: dict[int, list[ExpertStack]] = {}
         self.outside = 0  # bytes of the tensors no layer owns (embedding, head)
         for name, t in weights.tensors.items():
@@ -87,7 +108,8 @@ class LayerFiles:
         self.experts = {l: [s for _, s in sorted(v, key=lambda x: x[0])] for l, v in self.experts.items()}
         for layer, pieces in self.layers.items():
             pieces.sort(key=lambda p: (p.fd, p.file_offset))  # sequential reads
-            self.layers[layer] = _place(pieces)
+            direct = {fd: d for fd, d in zip(self._fds, self._direct)}
+            self.layers[layer], self.runs[layer], self.slot_sizes[layer] = _place(pieces, direct)
 
     def _locate(self, t, maps) -> _Piece:
         addr = t.contents.data
@@ -101,8 +123,14 @@ class LayerFiles:
         return max([*self.layers, *self.experts]) + 1
 
     def layer_bytes(self) -> list[int]:
-        """Bytes of each layer's trunk (every tensor but the routed experts)."""
+        """Bytes of each layer's trunk (every tensor but the routed experts), as a dry-run listing
+        gives them too (memory/listing.py): each tensor's, aligned."""
         return [sum(slot_align(p.nbytes) for p in self.layers.get(l, ())) for l in range(self.n_layers)]
+
+    def slot_excess(self) -> int:
+        """The most a layer's trunk takes more in a slot (laid out as in the file) than layer_bytes."""
+        sizes = self.layer_bytes()
+        return max([0, *(n - sizes[l] for l, n in self.slot_sizes.items())])
 
     def expert_sizes(self, used: int, pitched: bool) -> ExpertSizes | None:
         """The experts for the plan (the bytes of an entry of a cache `pitched` or not); None when
@@ -124,19 +152,41 @@ class LayerFiles:
         self._fds, self._direct = [], []
 
 
-def _place(pieces: list[_Piece]) -> list[_Piece]:
-    out, off = [], 0
+def _place(pieces: list[_Piece], direct: dict[int, int | None]) -> tuple[list[_Piece], list[_Run], int]:
+    """The slot's layout of a layer's trunk (pieces sorted by file and offset): runs of pieces at
+    most _GAP apart keep their file layout (the gap is read with them), each run from a block
+    boundary of the slot plus its file offset's place in a block; and the bytes the slot needs."""
+    out, runs, end = [], [], 0
     for p in pieces:
-        out.append(_Piece(p.tensor, p.fd, p.path, p.file_offset, p.nbytes, off))
-        off += slot_align(p.nbytes)
-    return out
+        r = runs[-1] if runs else None
+        if r is None or r.fd != p.fd or not 0 <= p.file_offset - (r.file_offset + r.nbytes) <= _GAP:
+            start = -(-end // BLOCK) * BLOCK + p.file_offset % BLOCK
+            r = _Run(p.fd, direct.get(p.fd), p.path, p.file_offset, 0, start)
+            runs.append(r)
+        runs[-1] = r = _Run(r.fd, r.direct, r.path, r.file_offset, p.file_offset + p.nbytes - r.file_offset,
+                            r.slot_offset)
+        out.append(_Piece(p.tensor, p.fd, p.path, p.file_offset, p.nbytes, r.slot_offset + p.file_offset - r.file_offset))
+        end = -(-(r.slot_offset + r.nbytes) // BLOCK) * BLOCK
+    return out, runs, end
 
 
-def read_layer(pieces: list[_Piece], slot: np.ndarray) -> int:
-    """pread a layer's trunk tensors into `slot` (dropping their pages from the page cache)."""
-    for p in pieces:
-        pread_into(p.fd, p.path, slot.ctypes.data + p.slot_offset, p.nbytes, p.file_offset)
-    return sum(p.nbytes for p in pieces)
+def read_layer(runs: list[_Run], slot: np.ndarray) -> int:
+    """A layer's trunk into `slot` (block-aligned), around the page cache where the file system
+    allows (else pread, the pages dropped after); the bytes read."""
+    for r in runs:
+        addr = slot.ctypes.data + r.slot_offset
+        if r.direct is not None:
+            try:
+                pread_direct_at(r.direct, addr, r.file_offset, r.nbytes, _TRUNK_CHUNK)
+                continue
+            except EOFError:
+                raise ShortReadError(f"{r.path}: short read at offset {r.file_offset}: expected {r.nbytes} bytes of "
+                                     "weight tensors (the file was truncated or changed after loading)") from None
+            except OSError as exc:  # the file system took the flag but refuses the read: buffered
+                if exc.errno != errno.EINVAL:
+                    raise
+        pread_into(r.fd, r.path, addr, r.nbytes, r.file_offset)
+    return sum(r.nbytes for r in runs)
 
 
 def _mlock(addr: int, nbytes: int) -> bool:
@@ -217,10 +267,12 @@ class StreamingExecutor(Executor):
         if sizes is None and self.files.experts:
             raise BudgetError("--mem-budget: the MoE layers' routed experts differ in shape; one expert cache "
                               "cannot hold them")
-        plan = plan_budget(self.budget, self.files.outside + self._cache_bytes + compute, self.files.layer_bytes(),
+        fixed = self.files.outside + self._cache_bytes + compute + N_SLOTS * self.files.slot_excess()
+        plan = plan_budget(self.budget, fixed, self.files.layer_bytes(),
                            sizes)
-        self._slots = [np.empty(plan.slot_bytes + _ALIGN, np.uint8) for _ in range(N_SLOTS * bool(plan.streamed))]
-        self._slots = [s[(-s.ctypes.data) % _ALIGN:][:plan.slot_bytes] for s in self._slots]
+        slot = max([0, *(self.files.slot_sizes.get(l, 0) for l in plan.streamed)])  # within plan.slot_bytes + excess
+        self._slots = [np.empty(slot + BLOCK, np.uint8) for _ in range(N_SLOTS * bool(plan.streamed))]
+        self._slots = [s[(-s.ctypes.data) % BLOCK:][:slot] for s in self._slots]  # O_DIRECT's alignment
         if plan.cache_entries:
             kinds = [s.shape for s in self.files.experts[plan.expert_layers[0]]]
             self.cache = ExpertCache(kinds, plan.cache_entries, ggml.ggml_backend_get_default_buffer_type(self.backend),
@@ -361,7 +413,7 @@ class StreamingExecutor(Executor):
         return self._pool.submit(self._read, layer, slot)
 
     def _read(self, layer: int, slot: np.ndarray) -> np.ndarray:
-        self.bytes_read += read_layer(self.files.layers.get(layer, []), slot)
+        self.bytes_read += read_layer(self.files.runs.get(layer, []), slot)
         return slot
 
     def read_per_token(self) -> float:
