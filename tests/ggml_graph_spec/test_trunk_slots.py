@@ -4,6 +4,7 @@ the block, so one O_DIRECT read brings a run in; the bytes are the file's at eve
 offset (O_DIRECT or buffered), the slot never overflows, and a short read is one clean error."""
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from gguf_arch.io.direct_io import BLOCK, open_direct
 from ggml_graph_spec.memory.experts import ShortReadError
+from ggml_graph_spec.memory import streaming
 from ggml_graph_spec.memory.streaming import _GAP, _Piece, _place, read_layer
 
 # (offset, bytes) of a layer's trunk tensors: 32-aligned neighbours, a gap of exactly _GAP, a far one
@@ -72,3 +74,26 @@ def test_a_layer_read_holds_the_files_bytes_at_every_tensor(trunk, how):
     finally:
         if direct is not None:
             os.close(direct)
+
+
+def test_a_refused_direct_read_falls_back_to_pread(trunk, monkeypatch):
+    """A file system that takes O_DIRECT at open but refuses the read (EINVAL): the same bytes, buffered."""
+    fd, path, data = trunk
+    direct = open_direct(fd, path)
+    if direct is None:
+        pytest.skip("the file system of the test's tmp_path refuses O_DIRECT")
+    code = [errno.EINVAL]
+    def refuse(*_args, **_kw):
+        raise OSError(code[0], os.strerror(code[0]))
+    monkeypatch.setattr(streaming, "pread_direct_at", refuse)
+    try:
+        pieces, runs, size = _layout(fd, path, direct)
+        slot = _aligned(size)
+        assert read_layer(runs, slot) == sum(r.nbytes for r in runs)
+        for p in pieces:
+            assert slot[p.slot_offset:p.slot_offset + p.nbytes].tobytes() == data[p.file_offset:p.file_offset + p.nbytes].tobytes()
+        code[0] = errno.EIO
+        with pytest.raises(OSError, match=os.strerror(errno.EIO)):  # any other error is raised as it is
+            read_layer(runs, slot)
+    finally:
+        os.close(direct)
