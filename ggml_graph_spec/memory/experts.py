@@ -5,15 +5,17 @@ A stacked expert tensor (ggml ne [in, out, n_expert], contiguous) holds expert e
 e * nb[2]: one contiguous slice of the file. The cache keeps `entries` experts in one anonymous
 ggml CPU buffer with one region per kind (gate, up, down), entry i of a kind at region + i * nb[2],
 so a region is itself a stack of experts: the graph's expert matmuls read it through a tensor of
-the stacked shape, with the router's ids rewritten to entry numbers. On the fast path, where an
-expert's slice is whole blocks (a K3.1-Pro's: 5.8 MB = 1428 x 4096), the entries are `pitched`:
-one block of room each, and each layer's tensor starts at its stacks' file offset modulo the
-block, so a missed expert is read with O_DIRECT straight into its entry (no bounce buffer, no
-copy: on 2 cores the copy's CPU time was the expert matmuls'). The exact path's dequantizing
-get_rows needs a contiguous stack: there the entries are the stride apart. It is also the working set:
+the stacked shape, with the router's ids rewritten to entry numbers. It is also the working set:
 the experts a layer's tokens select are read into it (those it does not hold already), evicting
 the least frequently used others (uses counted per (layer, expert) over the whole run; ties go
 to the least recently used, then the lowest layer and expert: deterministic).
+
+On the fast path, where an expert's slice is whole blocks (a K3.1-Pro's: 5.8 MB = 1428 x 4096),
+the entries are `pitched`: one block of room each, and each layer's tensor starts at its stacks'
+file offset modulo the block (its nb[2] is the pitch), so a missed expert is read with O_DIRECT
+straight into its entry (no bounce buffer, no copy: on 2 cores the copy's CPU time was the
+expert matmuls'). The exact path's dequantizing get_rows needs a contiguous stack: there the
+entries are the stride apart.
 """
 from __future__ import annotations
 
