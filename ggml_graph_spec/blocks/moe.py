@@ -37,12 +37,16 @@ def _router_logits(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     return ggml.ggml_cont(c, ggml.ggml_transpose(c, ggml.ggml_mul_mat(c, x, gate)))
 
 
+def _scores(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The router's scores (sigmoid, [E, T]) and the biased scores that pick the experts."""
+    probs = ggml.ggml_sigmoid(g.ctx, _router_logits(g, w, x))
+    return probs, ggml.ggml_add(g.ctx, probs, w(EXP_PROBS_B))
+
+
 def _select(g: GraphBuild, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
     """The router's scores (sigmoid, [E, T]) and the experts the biased scores pick (I32 [k, T])."""
-    c = g.ctx
-    probs = ggml.ggml_sigmoid(c, _router_logits(g, w, x))  # [E, T]
-    return probs, ggml.ggml_cont(c, ggml.ggml_top_k(c, ggml.ggml_add(c, probs, w(EXP_PROBS_B)),
-                                                    g.cfg.num_experts_used))
+    probs, biased = _scores(g, w, x)
+    return probs, ggml.ggml_cont(g.ctx, ggml.ggml_top_k(g.ctx, biased, g.cfg.num_experts_used))
 
 
 def predict_experts(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
@@ -51,9 +55,8 @@ def predict_experts(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     come in no order: a full descending argsort, cut to k). A memory budget's executor reads them
     early, the likeliest first (memory/streaming.py); the ids the layer uses are always its own
     router's."""
-    c, wx = g.ctx, ffn_norm(g, w, x)
-    scores = ggml.ggml_add(c, ggml.ggml_sigmoid(c, _router_logits(g, w, wx)), w(EXP_PROBS_B))
-    order = ggml.ggml_argsort(c, scores, ggml.GGML_SORT_ORDER_DESC)  # [E, T]
+    c = g.ctx
+    order = ggml.ggml_argsort(c, _scores(g, w, ffn_norm(g, w, x))[1], ggml.GGML_SORT_ORDER_DESC)  # [E, T]
     k = g.cfg.num_experts_used
     return ggml.ggml_cont(c, ggml.ggml_view_2d(c, order, k, g.n_tokens, order.contents.nb[1], 0))
 

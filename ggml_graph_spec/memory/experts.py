@@ -65,27 +65,42 @@ def pread_into(fd: int, path: str, addr: int, nbytes: int, offset: int) -> int:
 
 
 def pread_direct_into(direct: int, path: str, addr: int, nbytes: int, offset: int, room: bool = False,
-                      stop: Callable[[], bool] | None = None) -> int:
-    """pread_into through an O_DIRECT descriptor: the kernel neither copies the bytes into the
-    page cache nor spends the CPU time to (which the expert matmuls computing meanwhile share);
-    one copy from the aligned chunk to addr instead, or none with `room` (addr congruent to offset
-    modulo BLOCK, the whole blocks around the bytes the caller's: pread_direct_at). `stop()`,
-    asked between requests, ends the read early; returns the bytes delivered."""
+                      stop: Callable[[], bool] | None = None, chunk: int = _DIRECT_CHUNK) -> int:
+    """pread_into through an O_DIRECT descriptor, in requests of `chunk` bytes: the kernel neither
+    copies the bytes into the page cache nor spends the CPU time to (which the expert matmuls
+    computing meanwhile share); one copy from the aligned chunk to addr instead, or none with
+    `room` (addr congruent to offset modulo BLOCK, the whole blocks around the bytes the caller's:
+    pread_direct_at). `stop()`, asked between requests, ends the read early; returns the bytes
+    delivered."""
     if room:
         try:
-            return pread_direct_at(direct, addr, offset, nbytes, _DIRECT_CHUNK, stop)
+            return pread_direct_at(direct, addr, offset, nbytes, chunk, stop)
         except EOFError:
             raise _short_read(path, offset, nbytes) from None
-    for done in range(0, nbytes, _DIRECT_CHUNK):
+    for done in range(0, nbytes, chunk):
         if stop is not None and stop():
             return done
-        n = min(_DIRECT_CHUNK, nbytes - done)
+        n = min(chunk, nbytes - done)
         try:
             chunk = np.frombuffer(pread_direct(direct, offset + done, n), np.uint8)
         except EOFError:
             raise _short_read(path, offset + done, nbytes - done) from None
         ctypes.memmove(addr + done, chunk.ctypes.data, n)
     return nbytes
+
+
+def read_range(fd: int, direct: int | None, path: str, addr: int, nbytes: int, offset: int, room: bool = False,
+               stop: Callable[[], bool] | None = None, chunk: int = _DIRECT_CHUNK) -> int:
+    """`nbytes` at `offset` of the file to memory at addr: through `direct` (its O_DIRECT
+    descriptor, pread_direct_into's `room`, `stop` and `chunk`) where there is one, else, or where
+    the file system took the flag but refuses the read, buffered (pread_into); the bytes read."""
+    if direct is not None:
+        try:
+            return pread_direct_into(direct, path, addr, nbytes, offset, room, stop, chunk)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return pread_into(fd, path, addr, nbytes, offset)
 
 
 @dataclass(frozen=True)
@@ -103,14 +118,8 @@ class ExpertStack:
     def read(self, addr: int, expert: int, room: bool = False, stop: Callable[[], bool] | None = None) -> int:
         """Expert `expert`'s bytes of this stack to memory at addr (`room`, `stop`: pread_direct_into's);
         the bytes read."""
-        offset = self.file_offset + expert * self.stride
-        if self.direct is not None:
-            try:
-                return pread_direct_into(self.direct, self.path, addr, self.stride, offset, room, stop)
-            except OSError as exc:  # the file system took the flag but refuses the read: buffered
-                if exc.errno != errno.EINVAL:
-                    raise
-        return pread_into(self.fd, self.path, addr, self.stride, offset)
+        return read_range(self.fd, self.direct, self.path, addr, self.stride, self.file_offset + expert * self.stride,
+                          room, stop)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

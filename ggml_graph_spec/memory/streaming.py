@@ -6,8 +6,8 @@ changes: the executor runs it one segment (layer) at a time through `ggml_graph_
 before a streamed layer's segment points that layer's trunk tensors (everything but the routed
 experts; and the graph's views of them, whose addresses ggml-alloc fixed from the mapping) at a
 slot the prefetch thread filled: one read per run of adjacent tensors (a layer's trunk is one
-in a GGUF), laid out in the slot as in the file so that O_DIRECT reads it straight in. A MoE layer's segment is run in two parts, split at
-the first node that reads the experts: the first part computes the router's top-k ids; the
+in a GGUF), laid out in the slot as in the file so that O_DIRECT reads it straight in. A MoE
+layer's segment is run in two parts, split at the first node that reads the experts: the first part computes the router's top-k ids; the
 executor reads them back, has the expert cache hold those experts (reading the missed ones) and
 writes their cache entries into the ids input of the expert matmuls (the router's own ids, which
 the gating weights' get_rows read, are left as they are); the second part computes the experts
@@ -22,22 +22,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import mmap
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ggml
 import numpy as np
 
 from gguf_arch.arch.tensors import ROUTED_EXPERTS
-from gguf_arch.io.direct_io import BLOCK, open_direct, pread_direct_at
+from gguf_arch.io.direct_io import BLOCK, open_direct
 
 from ..graph import I32, Executor, GraphBuild
 from .budget import N_SLOTS, BudgetError, BudgetPlan, ExpertSizes, plan_budget
-from .experts import ExpertCache, ExpertStack, ShortReadError, pitches, pread_into
+from .experts import ExpertCache, ExpertStack, pitches, read_range
 
 _ALIGN = 64  # what a trunk tensor counts for in the plan: above ggml's TENSOR_ALIGNMENT (32)
 _GAP = BLOCK  # trunk tensors at most this far apart in a file are one run, read as one (the gap too)
@@ -85,6 +84,7 @@ class LayerFiles:
         self._paths = [str(path) for path, _, _ in weights.mapped_files]
         self._fds = [os.open(path, os.O_RDONLY) for path in self._paths]
         self._direct = [open_direct(fd, path) for fd, path in zip(self._fds, self._paths)]
+        direct = dict(zip(self._fds, self._direct))
         maps = [(base, size) for _, base, size in weights.mapped_files]
         self.layers: dict[int, list[_Piece]] = {}
         self.runs: dict[int, list[_Run]] = {}
@@ -102,13 +102,12 @@ class LayerFiles:
                 stride = t.contents.nb[2]
                 self.experts.setdefault(int(m.group(1)), []).append(
                     (EXPERT_KINDS.index(kind), ExpertStack(t, p.fd, p.path, p.file_offset, stride, t.contents.ne[2],
-                                                           self._direct[self._fds.index(p.fd)])))
+                                                           direct[p.fd])))
             else:
                 self.layers.setdefault(int(m.group(1)), []).append(p)
         self.experts = {l: [s for _, s in sorted(v, key=lambda x: x[0])] for l, v in self.experts.items()}
         for layer, pieces in self.layers.items():
             pieces.sort(key=lambda p: (p.fd, p.file_offset))  # sequential reads
-            direct = {fd: d for fd, d in zip(self._fds, self._direct)}
             self.layers[layer], self.runs[layer], self.slot_sizes[layer] = _place(pieces, direct)
 
     def _locate(self, t, maps) -> _Piece:
@@ -160,12 +159,10 @@ def _place(pieces: list[_Piece], direct: dict[int, int | None]) -> tuple[list[_P
     for p in pieces:
         r = runs[-1] if runs else None
         if r is None or r.fd != p.fd or not 0 <= p.file_offset - (r.file_offset + r.nbytes) <= _GAP:
-            start = -(-end // BLOCK) * BLOCK + p.file_offset % BLOCK
-            r = _Run(p.fd, direct.get(p.fd), p.path, p.file_offset, 0, start)
+            r = _Run(p.fd, direct.get(p.fd), p.path, p.file_offset, 0, end + p.file_offset % BLOCK)
             runs.append(r)
-        runs[-1] = r = _Run(r.fd, r.direct, r.path, r.file_offset, p.file_offset + p.nbytes - r.file_offset,
-                            r.slot_offset)
-        out.append(_Piece(p.tensor, p.fd, p.path, p.file_offset, p.nbytes, r.slot_offset + p.file_offset - r.file_offset))
+        runs[-1] = r = replace(r, nbytes=p.file_offset + p.nbytes - r.file_offset)
+        out.append(replace(p, slot_offset=r.slot_offset + p.file_offset - r.file_offset))
         end = -(-(r.slot_offset + r.nbytes) // BLOCK) * BLOCK
     return out, runs, end
 
@@ -173,20 +170,8 @@ def _place(pieces: list[_Piece], direct: dict[int, int | None]) -> tuple[list[_P
 def read_layer(runs: list[_Run], slot: np.ndarray) -> int:
     """A layer's trunk into `slot` (block-aligned), around the page cache where the file system
     allows (else pread, the pages dropped after); the bytes read."""
-    for r in runs:
-        addr = slot.ctypes.data + r.slot_offset
-        if r.direct is not None:
-            try:
-                pread_direct_at(r.direct, addr, r.file_offset, r.nbytes, _TRUNK_CHUNK)
-                continue
-            except EOFError:
-                raise ShortReadError(f"{r.path}: short read at offset {r.file_offset}: expected {r.nbytes} bytes of "
-                                     "weight tensors (the file was truncated or changed after loading)") from None
-            except OSError as exc:  # the file system took the flag but refuses the read: buffered
-                if exc.errno != errno.EINVAL:
-                    raise
-        pread_into(r.fd, r.path, addr, r.nbytes, r.file_offset)
-    return sum(r.nbytes for r in runs)
+    return sum(read_range(r.fd, r.direct, r.path, slot.ctypes.data + r.slot_offset, r.nbytes, r.file_offset,
+                          room=True, chunk=_TRUNK_CHUNK) for r in runs)
 
 
 def _mlock(addr: int, nbytes: int) -> bool:

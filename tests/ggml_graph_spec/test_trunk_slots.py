@@ -12,7 +12,7 @@ import pytest
 
 from gguf_arch.io.direct_io import BLOCK, open_direct
 from ggml_graph_spec.memory.experts import ShortReadError
-from ggml_graph_spec.memory import streaming
+from ggml_graph_spec.memory import experts
 from ggml_graph_spec.memory.streaming import _GAP, _Piece, _place, read_layer
 
 # (offset, bytes) of a layer's trunk tensors: 32-aligned neighbours, a gap of exactly _GAP, a far one
@@ -85,7 +85,7 @@ def test_a_refused_direct_read_falls_back_to_pread(trunk, monkeypatch):
     code = [errno.EINVAL]
     def refuse(*_args, **_kw):
         raise OSError(code[0], os.strerror(code[0]))
-    monkeypatch.setattr(streaming, "pread_direct_at", refuse)
+    monkeypatch.setattr(experts, "pread_direct_at", refuse)  # the reads the trunks share with the experts
     try:
         pieces, runs, size = _layout(fd, path, direct)
         slot = _aligned(size)
