@@ -49,9 +49,9 @@ import convert_kimi_k3  # noqa: E402
 from gguf_arch.synth.cli import main as synth_main  # noqa: E402
 from ggml_graph_spec.memory.budget import ExpertSizes, plan_budget  # noqa: E402
 from ggml_graph_spec.memory.doctor import read_speed  # noqa: E402
-from gguf_arch.io.direct_io import open_direct, pread_direct  # noqa: E402
+from gguf_arch.io.direct_io import open_direct, scratch  # noqa: E402
 from ggml_graph_spec.loader import load_gguf  # noqa: E402
-from ggml_graph_spec.memory.experts import READERS  # noqa: E402
+from ggml_graph_spec.memory.experts import READERS, EXPERT_REQUEST, read_range  # noqa: E402
 from ggml_graph_spec.memory.streaming import LayerFiles  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
@@ -121,7 +121,8 @@ def _run(gguf: Path, budget: str, n: int, threads: int) -> dict:
 def replay_s_per_token(gguf: Path, run: dict, n: int) -> float:
     """The disk's time for the bytes a token had to read, as the runner reads them: the streamed
     trunk bytes from the layers' trunk tensors, the missed experts as their gate/up/down slices
-    at random (layer, expert) of the file, O_DIRECT, one reader and READERS readers (the faster
+    at random (layer, expert) of the file, O_DIRECT in the runner's requests (EXPERT_REQUEST) into
+    buffers kept, one reader and READERS readers (the faster
     counts), no compute; right after the run, so the disk is the one the run had."""
     weights = load_gguf(gguf, repack=False)
     files = LayerFiles(weights)
@@ -141,15 +142,18 @@ def replay_s_per_token(gguf: Path, run: dict, n: int) -> float:
             layer = rng.choice(stacks)
             e = rng.randrange(layer[0].count)
             reads += [(st.path, st.file_offset + e * st.stride, st.stride) for st in layer]
-        return min(_timed_reads(reads, k) for k in (1, READERS)) / n if reads else 0.0
+        return min(_timed_reads(reads, k, EXPERT_REQUEST) for k in (1, READERS)) / n if reads else 0.0
     finally:
         files.close()
         weights.close()
 
 
-def _timed_reads(reads: list[tuple[str, int, int]], readers: int) -> float:
-    """Seconds to pread (path, offset, bytes) `reads` on `readers` threads, O_DIRECT where the file
-    system allows it, else buffered with the files' pages dropped first: uncached either way."""
+def _timed_reads(reads: list[tuple[str, int, int]], readers: int, chunk: int = 0) -> float:
+    """Seconds to pread (path, offset, bytes) `reads` on `readers` threads (O_DIRECT ones in
+    requests of `chunk` bytes, 0: one per read), O_DIRECT where the file
+    system allows it, else buffered with the files' pages dropped first: uncached either way.
+    Each reader reads into one buffer it keeps, as the runner reads into its cache and slots
+    (direct_io.scratch: fresh memory per read ran at half the speed or less)."""
     fds = {path: os.open(path, os.O_RDONLY) for path in {r[0] for r in reads}}
     direct = {path: open_direct(fd, path) or fd for path, fd in fds.items()}
     for fd in fds.values():
@@ -157,13 +161,20 @@ def _timed_reads(reads: list[tuple[str, int, int]], readers: int) -> float:
     try:
         start = time.perf_counter()
         with ThreadPoolExecutor(readers) as pool:
-            list(pool.map(lambda r: pread_direct(direct[r[0]], r[1], r[2]), reads))
+            list(pool.map(lambda r: _read(fds[r[0]], direct[r[0]], r, chunk), reads))
         return time.perf_counter() - start
     finally:
         for path, fd in fds.items():
             if direct[path] != fd:
                 os.close(direct[path])
             os.close(fd)
+
+
+def _read(fd: int, direct: int, r: tuple[str, int, int], chunk: int) -> int:
+    path, offset, nbytes = r
+    if direct == fd:  # buffered
+        return len(os.pread(fd, nbytes, offset))
+    return read_range(fd, direct, path, scratch(offset, nbytes), nbytes, offset, room=True, chunk=chunk)
 
 
 def bound_bytes(run: dict) -> float:

@@ -32,14 +32,14 @@ import ggml
 import numpy as np
 
 from gguf_arch.errors import KimiError
-from gguf_arch.io.direct_io import BLOCK, pread_direct, pread_direct_at
+from gguf_arch.io.direct_io import BLOCK, pread_direct_at, scratch
 
 READERS = 4  # parallel preads of the missed experts: a disk serves several requests at once
 # An expert read around the page cache goes in requests of this size (straight into a pitched
-# entry, or each through a block-aligned buffer of its reader, pread_direct: at most READERS such
-# buffers at once); between two, a prediction let go stops its read. Measured here, 4 readers of
-# random 5.7 MB slices: 2 MiB and 1 MiB requests 1.36-1.61 GB/s, whole slices 1.09-1.33.
-_DIRECT_CHUNK = 2 << 20
+# entry, or each through its reader's block-aligned buffer, scratch); between two, a prediction
+# let go stops its read. Measured here, 4 readers of random 5.7 MB slices: 2 MiB and 1 MiB
+# requests 1.36-1.61 GB/s, whole slices 1.09-1.33.
+EXPERT_REQUEST = 2 << 20
 
 
 class ShortReadError(KimiError):
@@ -65,32 +65,30 @@ def pread_into(fd: int, path: str, addr: int, nbytes: int, offset: int) -> int:
 
 
 def pread_direct_into(direct: int, path: str, addr: int, nbytes: int, offset: int, room: bool = False,
-                      stop: Callable[[], bool] | None = None, chunk: int = _DIRECT_CHUNK) -> int:
+                      stop: Callable[[], bool] | None = None, chunk: int = EXPERT_REQUEST) -> int:
     """pread_into through an O_DIRECT descriptor, in requests of `chunk` bytes: the kernel neither
     copies the bytes into the page cache nor spends the CPU time to (which the expert matmuls
-    computing meanwhile share); one copy from the aligned chunk to addr instead, or none with
-    `room` (addr congruent to offset modulo BLOCK, the whole blocks around the bytes the caller's:
-    pread_direct_at). `stop()`, asked between requests, ends the read early; returns the bytes
-    delivered."""
-    if room:
-        try:
+    computing meanwhile share); one copy from the reader's aligned buffer (scratch) to addr
+    instead, or none with `room` (addr congruent to offset modulo BLOCK, the whole blocks around
+    the bytes the caller's: pread_direct_at). `stop()`, asked between requests, ends the read
+    early; returns the bytes delivered."""
+    try:
+        if room:
             return pread_direct_at(direct, addr, offset, nbytes, chunk, stop)
-        except EOFError:
-            raise _short_read(path, offset, nbytes) from None
-    for done in range(0, nbytes, chunk):
-        if stop is not None and stop():
-            return done
-        n = min(chunk, nbytes - done)
-        try:
-            chunk = np.frombuffer(pread_direct(direct, offset + done, n), np.uint8)
-        except EOFError:
-            raise _short_read(path, offset + done, nbytes - done) from None
-        ctypes.memmove(addr + done, chunk.ctypes.data, n)
-    return nbytes
+        for done in range(0, nbytes, chunk):
+            if stop is not None and stop():
+                return done
+            n = min(chunk, nbytes - done)
+            at = scratch(offset + done, n)
+            pread_direct_at(direct, at, offset + done, n)
+            ctypes.memmove(addr + done, at, n)
+        return nbytes
+    except EOFError:
+        raise _short_read(path, offset, nbytes) from None
 
 
 def read_range(fd: int, direct: int | None, path: str, addr: int, nbytes: int, offset: int, room: bool = False,
-               stop: Callable[[], bool] | None = None, chunk: int = _DIRECT_CHUNK) -> int:
+               stop: Callable[[], bool] | None = None, chunk: int = EXPERT_REQUEST) -> int:
     """`nbytes` at `offset` of the file to memory at addr: through `direct` (its O_DIRECT
     descriptor, pread_direct_into's `room`, `stop` and `chunk`) where there is one, else, or where
     the file system took the flag but refuses the read, buffered (pread_into); the bytes read."""

@@ -300,3 +300,35 @@ def test_a_stopped_read_reads_nothing_more(block_stacks):
         assert ctypes.string_at(addr, st.stride) == data[lo:lo + st.stride].tobytes()
     finally:
         c.free()
+
+
+@pytest.mark.parametrize("offset, nbytes, chunk", [(0, 3 * BLOCK, BLOCK), (100, 5 * BLOCK + 7, 2 * BLOCK),
+                                                   (BLOCK - 1, 9000, 3000), (12345, 1 << 20, 1 << 18)])
+def test_a_read_in_several_requests_through_the_readers_buffers(tmp_path, offset, nbytes, chunk):
+    """The exact path's O_DIRECT reads (not into a pitched entry) in more requests than one, from
+    several threads at once (each through its own buffer): the file's bytes; a file ending in a
+    later request is the same clean error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ggml_graph_spec.memory.experts import pread_direct_into
+    data = np.random.default_rng(2).integers(0, 256, offset + 4 * nbytes, dtype=np.uint8)
+    path = tmp_path / "experts.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    direct = open_direct(fd, path)
+    try:
+        if direct is None:
+            pytest.skip("the file system of the test's tmp_path refuses O_DIRECT")
+        outs = [np.zeros(nbytes, np.uint8) for _ in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda i: pread_direct_into(direct, str(path), outs[i].ctypes.data, nbytes,
+                                                            offset + i * nbytes, chunk=chunk), range(4)))
+        assert got == [nbytes] * 4
+        for i, out in enumerate(outs):
+            assert out.tobytes() == data[offset + i * nbytes:offset + (i + 1) * nbytes].tobytes(), i
+        with pytest.raises(ShortReadError, match="experts.bin: short read at offset"):
+            pread_direct_into(direct, str(path), outs[0].ctypes.data, nbytes, data.size - nbytes + chunk, chunk=chunk)
+    finally:
+        if direct is not None:
+            os.close(direct)
+        os.close(fd)
