@@ -332,3 +332,47 @@ def test_a_read_in_several_requests_through_the_readers_buffers(tmp_path, offset
         if direct is not None:
             os.close(direct)
         os.close(fd)
+
+
+def _reference_lfu(entries: int, workload: list[tuple[int, list[int]]]) -> list[dict]:
+    """The eviction rule as the module docstring states it, by a full scan per miss: after each
+    step, (layer, expert) -> entry."""
+    where, owner, free, uses, last, out = {}, [None] * entries, list(range(entries)), {}, {}, []
+    for tick, (layer, experts) in enumerate(workload, 1):
+        keys = [(layer, e) for e in experts]
+        if len(keys) <= entries:
+            for k in keys:
+                uses[k], last[k] = uses.get(k, 0) + 1, tick
+            for k in [k for k in keys if k not in where]:
+                if free:
+                    entry = free.pop(free.index(min(free)))
+                else:
+                    entry = min((i for i in range(entries) if owner[i] not in keys),
+                                key=lambda i: (uses[owner[i]], last[owner[i]], *owner[i]))
+                    del where[owner[entry]]
+                owner[entry], where[k] = k, entry
+        out.append(dict(where))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_eviction_order_is_the_rule_at_every_step(stacks, seed):
+    """Random selections (sometimes more than the cache holds) through a small cache for long
+    enough that its eviction order is rebuilt several times: after every step the cache holds
+    exactly what the rule, applied by a full scan, holds, in the same entries."""
+    s, data = stacks
+    rng = np.random.default_rng(seed)
+    entries = 4 + seed % 2
+    workload = [(int(rng.integers(2)), sorted(rng.choice(N_EXPERTS, int(rng.integers(1, 7)), replace=False).tolist()))
+                for _ in range(400)]
+    want = _reference_lfu(entries, workload)
+    c = _cache(entries)
+    try:
+        for step, (layer, experts) in enumerate(workload):
+            c.place(layer, s[layer], np.array(experts))
+            assert c._where == want[step], step
+            assert len(c._order) <= 5 * entries + 64 + N_EXPERTS
+        for layer, e in c._where:
+            _assert_holds(c, s, data, layer, [e])
+    finally:
+        c.free()
