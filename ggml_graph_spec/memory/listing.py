@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gguf_arch.arch.keys import ARCH_KEYS, DRY_RUN_HEADER, MOE_LISTED
-from gguf_arch.arch.tensors import gguf_layer
+from gguf_arch.arch.tensors import gguf_kind, gguf_layer
 from gguf_arch.errors import GGUFError
 
 from ..loader import load_gguf
@@ -75,7 +75,7 @@ def listing_layout(path: Path) -> ModelLayout:
             paths.append(line[5:].rsplit(": ", 1)[0])
         elif line.startswith("  "):
             name, nbytes = _tensor_line(path, n, line)
-            layer, kind = gguf_layer(name), name.split(".")[2] if name.count(".") >= 2 else ""
+            layer, kind = gguf_layer(name), gguf_kind(name)
             if layer is None:
                 outside += nbytes
             elif kind in EXPERT_KINDS:

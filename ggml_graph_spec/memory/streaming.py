@@ -24,14 +24,13 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import ggml
 import numpy as np
 
-from gguf_arch.arch.tensors import ROUTED_EXPERTS
+from gguf_arch.arch.tensors import ROUTED_EXPERTS, gguf_kind, gguf_layer, layer_name
 from gguf_arch.io.direct_io import BLOCK, open_direct
 
 from ..graph import I32, Executor, GraphBuild
@@ -41,8 +40,7 @@ from .experts import ExpertCache, ExpertStack, pitches, read_range
 _ALIGN = 64  # what a trunk tensor counts for in the plan: above ggml's TENSOR_ALIGNMENT (32)
 _GAP = BLOCK  # trunk tensors at most this far apart in a file are one run, read as one (the gap too)
 _TRUNK_CHUNK = 8 << 20  # a run's O_DIRECT requests (as kimi-k3-doctor's sequential read)
-_LAYER = re.compile(r"blk\.(\d+)\.")
-EXPERT_KINDS = tuple(n.split("}.", 1)[-1].split(".", 1)[0] for n in ROUTED_EXPERTS)  # ffn_gate_exps, ...
+EXPERT_KINDS = tuple(gguf_kind(layer_name(n, 0)) for n in ROUTED_EXPERTS)  # ffn_gate_exps, ...
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -92,19 +90,18 @@ class LayerFiles:
         self.experts: dict[int, list[ExpertStack]] = {}
         self.outside = 0  # bytes of the tensors no layer owns (embedding, head)
         for name, t in weights.tensors.items():
-            m = _LAYER.match(name)
-            if m is None:
+            layer, kind = gguf_layer(name), gguf_kind(name)
+            if layer is None:
                 self.outside += ggml.ggml_nbytes(t)
                 continue
             p = self._locate(t, maps)
-            kind = name[m.end():].split(".", 1)[0]
             if kind in EXPERT_KINDS:
                 stride = t.contents.nb[2]
-                self.experts.setdefault(int(m.group(1)), []).append(
+                self.experts.setdefault(layer, []).append(
                     (EXPERT_KINDS.index(kind), ExpertStack(t, p.fd, p.path, p.file_offset, stride, t.contents.ne[2],
                                                            direct[p.fd])))
             else:
-                self.layers.setdefault(int(m.group(1)), []).append(p)
+                self.layers.setdefault(layer, []).append(p)
         self.experts = {l: [s for _, s in sorted(v, key=lambda x: x[0])] for l, v in self.experts.items()}
         for layer, pieces in self.layers.items():
             pieces.sort(key=lambda p: (p.fd, p.file_offset))  # sequential reads

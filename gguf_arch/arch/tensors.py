@@ -85,6 +85,12 @@ def gguf_layer(name: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def gguf_kind(name: str) -> str:
+    """What a layer's GGUF tensor is, its name between the layer and the suffix (`ffn_gate_exps`
+    of `blk.3.ffn_gate_exps.weight`); "" for a global."""
+    return name.split(".")[2] if gguf_layer(name) is not None and name.count(".") >= 2 else ""
+
+
 TEXT_PREFIX = "language_model."
 # Tensors a text converter deliberately leaves out: the vision tower and its projector.
 SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
