@@ -33,16 +33,19 @@ _READ_SECONDS = 2.0  # ...or for at most this long
 
 
 def read_speed(paths: Sequence[str]) -> float:
-    """Bytes per second of a sequential read from the start of the files (bounded, uncached)."""
+    """Bytes per second of a sequential read of the files, each from its start, one after the
+    other (of a split GGUF: its first files), bounded in bytes and time, uncached."""
     done, start = 0, time.perf_counter()
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, _READ_BYTES, os.POSIX_FADV_DONTNEED)
+            offset = 0
             while done < _READ_BYTES and time.perf_counter() - start < _READ_SECONDS:
-                n = len(os.pread(fd, _CHUNK, done))
+                n = len(os.pread(fd, _CHUNK, offset))
                 if not n:
                     break
+                offset += n
                 done += n
         finally:
             os.close(fd)

@@ -269,6 +269,29 @@ def test_doctor_reports_memory_disk_and_presets(big_gguf, split_gguf, which):
     assert trunk + experts <= sum(p.stat().st_size for p in big_gguf.parent.glob("m.gguf"))
 
 
+def test_doctor_reads_each_file_of_a_split_from_its_start(tmp_path, monkeypatch):
+    """The read speed of a split GGUF times its files one after the other, each from byte 0
+    (the bytes read are every file's, up to the bound)."""
+    from ggml_graph_spec.memory import doctor
+    sizes = (3 * doctor._CHUNK + 5, doctor._CHUNK // 2, 2 * doctor._CHUNK)
+    paths = []
+    for i, size in enumerate(sizes):
+        paths.append(tmp_path / f"m-{i:05d}-of-00003.gguf")
+        paths[-1].write_bytes(bytes([i]) * size)
+    real, reads = os.pread, []
+    def pread(fd, n, offset):
+        data = real(fd, n, offset)
+        reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, len(data)))
+        return data
+    monkeypatch.setattr(doctor.os, "pread", pread)
+    monkeypatch.setattr(doctor, "_READ_SECONDS", 600.0)  # the byte bound, not a slow disk, ends it
+    assert doctor.read_speed([str(p) for p in paths]) > 0
+    for p, size in zip(paths, sizes):
+        mine = [(off, n) for path, off, n in reads if path == str(p)]
+        assert mine[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(mine, mine[1:])), (p, mine)
+        assert sum(n for _, n in mine) == size, p
+
+
 def test_doctor_bad_input_is_one_line():
     r = _doctor("no-such.gguf")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
