@@ -22,7 +22,6 @@ Exit codes: 0 written; 1 runtime failure (an output exists without --overwrite, 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from tqdm import tqdm
 
 from gguf_arch.arch.tensors import OUTPUT, ROUTED_EXPERTS, gguf_layer, layer_name
 from gguf_arch.errors import KimiError, run_cli
+from gguf_arch.io.console import cpu_count
 from gguf_arch.io.output_paths import guard_outputs
 from gguf_arch.io.imatrix import ImatrixAccumulator, write_imatrix
 from gguf_arch.io.jsonfile import read_text
@@ -176,7 +176,7 @@ def _calibrate(a: argparse.Namespace, model: Model, work: list[tuple[TextFile, l
 def run(a: argparse.Namespace) -> None:
     _check_args(a)
     model = Model.load(a.model, n_ctx=a.ctx_size, exact_experts=a.exact_experts,
-                       n_threads=a.threads or os.cpu_count() or 1)
+                       n_threads=a.threads or cpu_count())
     try:
         work = _tokenized(a.files, BPETokenizer.from_gguf(a.model), a.ctx_size, a.chunks)
         n_tokens = sum(len(c) for _, chunks in work for c in chunks)

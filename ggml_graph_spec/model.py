@@ -10,7 +10,6 @@ call (it only grows when a call needs more), and computes it on the CPU backend.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -20,6 +19,7 @@ import ggml
 import numpy as np
 
 from gguf_arch.errors import KimiError
+from gguf_arch.io.console import cpu_count
 
 from gguf_arch.arch.tensors import (ATTN_NORM, ATTN_RES_SCORE, FFN_RES_SCORE, OUTPUT, OUTPUT_NORM,
                                     OUTPUT_RES_SCORE, TOKEN_EMBD)
@@ -232,7 +232,7 @@ class Model:
             raise EvalError(f"{path}: n_ctx must be in 1..{weights.cfg.context_length}, got {n_ctx}")
         try:
             return cls(weights, n_ctx=n_ctx, exact=exact_experts, dsa=dsa, top_k=top_k,
-                       n_threads=(os.cpu_count() or 1) if n_threads is None else n_threads, n_batch=n_batch,
+                       n_threads=cpu_count() if n_threads is None else n_threads, n_batch=n_batch,
                        dsa_path=dsa_path, rpc=rpc, tensor_split=tensor_split, progress=progress,
                        mem_budget=mem_budget)
         except BaseException:

@@ -25,7 +25,7 @@ from typing import NoReturn, Sequence
 import ggml
 
 from gguf_arch.errors import EXIT_RUNTIME, Interrupted, KimiError, interrupted_line, run_cli
-from gguf_arch.io.console import ArgumentParser
+from gguf_arch.io.console import ArgumentParser, cpu_count
 
 
 DEFAULT_HOST = "127.0.0.1"
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     ip = check_host(args.host, args.allow_remote)
     if not ip.is_loopback:
         print(f"warning: {UNAUTHENTICATED}", file=sys.stderr)
-    n_threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
+    n_threads = args.threads if args.threads is not None else cpu_count()
     if n_threads < 1:
         raise ServerError(f"--threads must be >= 1, got {n_threads}")
     if not 1 <= args.port <= 65535:

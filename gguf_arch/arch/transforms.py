@@ -8,7 +8,6 @@ and one expert matrix at a time are materialised.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Iterator
 
 import numpy as np
@@ -16,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ..errors import CheckpointError
 from .mxfp4 import repack_to_ggml
+from ..io.console import cpu_count
 from ..io.pipeline import ahead
 from ..io.safetensors import ShardArray, to_f32
 from .tensors import PlannedTensor
@@ -28,7 +28,7 @@ Chunks = Iterator[memoryview]  # flat uint8 views
 # 0.16 CPU-s per GB read from the page cache).
 CHUNK_BYTES = 16 * 1024 * 1024
 # Experts repacked ahead of the writer: a real expert matrix is 5.8 MB, so a few dozen MB at most.
-REPACK_AHEAD = min(8, os.cpu_count() or 1)
+REPACK_AHEAD = min(8, cpu_count())
 
 # Source dtype -> the GGML type that holds its bytes unchanged.
 SAME_BYTES: dict[str, Q] = {"BF16": Q.BF16, "F16": Q.F16, "F32": Q.F32}
