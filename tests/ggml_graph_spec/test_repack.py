@@ -92,21 +92,28 @@ def test_repack_is_refused_on_the_exact_path(k31pro_tiny_gguf, capsys):
     assert "--repack applies to the fast path" in capsys.readouterr().err
 
 
-def test_cli_reports_the_kernels_and_keeps_ggml_debug_lines_out(k31pro_tiny_gguf):
-    r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(k31pro_tiny_gguf), "-p", "x", "-n", "2",
-                        "--temp", "0", "-c", "32", "-t", "2", "--repack"], capture_output=True, text=True, timeout=120)
+def _run(gguf, *flags: str, n: int = 1) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(gguf), "-p", "x", "-n", str(n), "--temp", "0",
+                        "-c", "32", "-t", "2", *flags], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    info = next(line for line in r.stderr.splitlines() if "ggml CPU" in line)
-    assert "llamafile sgemm on" in info and ("expert tensors repacked" in info or "none repacked" in info)
-    # ggml logs one DEBUG line per repacked tensor; ggml_graph_spec's logger drops DEBUG
-    assert "repack tensor" not in r.stderr
+    return r
 
 
 def _info(gguf, *flags: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "ggml_graph_spec", "-m", str(gguf), "-p", "x", "-n", "1", "--temp", "0",
-                        "-c", "32", "-t", "2", *flags], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return next(line for line in r.stderr.splitlines() if "ggml CPU" in line)
+    """The print_info line of the CPU kernels, of a run with `flags`."""
+    return _kernels(_run(gguf, *flags).stderr)
+
+
+def _kernels(stderr: str) -> str:
+    return next(line for line in stderr.splitlines() if "ggml CPU" in line)
+
+
+def test_cli_reports_the_kernels_and_keeps_ggml_debug_lines_out(k31pro_tiny_gguf):
+    r = _run(k31pro_tiny_gguf, "--repack", n=2)
+    info = _kernels(r.stderr)
+    assert "llamafile sgemm on" in info and ("expert tensors repacked" in info or "none repacked" in info)
+    # ggml logs one DEBUG line per repacked tensor; ggml_graph_spec's logger drops DEBUG
+    assert "repack tensor" not in r.stderr
 
 
 def _can_repack(gguf) -> bool:
