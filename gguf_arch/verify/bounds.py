@@ -42,9 +42,9 @@ def q8_0_bound(x: np.ndarray) -> np.ndarray:
 
 # The 4- and 5-bit types and MXFP4 below, as ggml's reference quantizers (quantize_row_*_ref, which
 # gguf-py's quants reproduce byte for byte) choose them, per block of 32 values. Each bound is half
-# a quantization step where the code is rounded to nearest, the clipped distance where ggml clips,
-# plus the f16 rounding of the stored scale / min, plus _STEP_SLACK of a step for the quantizer's
-# float32 arithmetic (x * (1/d) rounded can pick the farther of two codes by ~2^-18 of a step).
+# a quantization step where the code is rounded to nearest (MXFP4's uneven grid: the exact distance
+# to the nearest code), the clipped distance where ggml clips, plus the f16 rounding of the stored
+# scale / min, plus _STEP_SLACK of a step for the quantizer's float32 arithmetic (x * (1/d) rounded can pick the farther of two codes by ~2^-18 of a step).
 # Where a step is resolvable (the f16 scale is normal and, for Q4_1/Q5_1, |min| is at most the block's
 # range, as in weight blocks that straddle zero; MXFP4 always), a code one step away from the source
 # value is caught (its error is a step plus the rounding error), and one step towards it unless the
@@ -89,9 +89,12 @@ def offset_bound(levels: int) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def _e2m1_rounding(u: np.ndarray) -> np.ndarray:
-    """Largest distance from u >= 0 to the E2M1 magnitude nearest it (0, .5 .. 2 step .5, 3, 4, 6):
-    half the local spacing; above 6, the clipped distance u - 6."""
-    return np.select([u <= 2, u <= 4, u <= 6], [0.25, 0.5, 1.0], u - 6)
+    """The distance from u >= 0 to the E2M1 magnitude nearest it (0, .5 .. 2 step .5, 3, 4, 6;
+    above 6 the clipped u - 6). Exact, not the local half-spacing: at a magnitude whose spacing
+    differs on its two sides (2: 0.5 below, 1 above; 4: 1 and 2), u just above it moved one code
+    down is off by little more than the smaller spacing, which half the larger would let pass."""
+    return np.select([u <= 2, u <= 4, u <= 6], [np.abs(u - np.rint(2 * u) / 2), np.abs(u - np.rint(u)),
+                                                np.minimum(u - 4, 6 - u)], u - 6)
 
 
 def mxfp4_bound(x: np.ndarray) -> np.ndarray:
