@@ -149,32 +149,26 @@ def replay_s_per_token(gguf: Path, run: dict, n: int) -> float:
 
 
 def _timed_reads(reads: list[tuple[str, int, int]], readers: int, chunk: int = 0) -> float:
-    """Seconds to pread (path, offset, bytes) `reads` on `readers` threads (O_DIRECT ones in
-    requests of `chunk` bytes, 0: one per read), O_DIRECT where the file
-    system allows it, else buffered with the files' pages dropped first: uncached either way.
+    """Seconds to pread (path, offset, bytes) `reads` on `readers` threads, O_DIRECT in requests of
+    `chunk` bytes (0: one per read) where the file system allows it, else buffered with the
+    files' pages dropped first and after: uncached either way.
     Each reader reads into one buffer it keeps, as the runner reads into its cache and slots
     (direct_io.scratch: fresh memory per read ran at half the speed or less)."""
     fds = {path: os.open(path, os.O_RDONLY) for path in {r[0] for r in reads}}
-    direct = {path: open_direct(fd, path) or fd for path, fd in fds.items()}
+    direct = {path: open_direct(fd, path) for path, fd in fds.items()}
     for fd in fds.values():
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     try:
         start = time.perf_counter()
-        with ThreadPoolExecutor(readers) as pool:
-            list(pool.map(lambda r: _read(fds[r[0]], direct[r[0]], r, chunk), reads))
+        with ThreadPoolExecutor(readers) as pool:  # read_range: the runner's read, and its buffered fallback
+            list(pool.map(lambda r: read_range(fds[r[0]], direct[r[0]], r[0], scratch(r[1], r[2]), r[2], r[1],
+                                               room=True, chunk=chunk), reads))
         return time.perf_counter() - start
     finally:
         for path, fd in fds.items():
-            if direct[path] != fd:
+            if direct[path] is not None:
                 os.close(direct[path])
             os.close(fd)
-
-
-def _read(fd: int, direct: int, r: tuple[str, int, int], chunk: int) -> int:
-    path, offset, nbytes = r
-    if direct == fd:  # buffered
-        return len(os.pread(fd, nbytes, offset))
-    return read_range(fd, direct, path, scratch(offset, nbytes), nbytes, offset, room=True, chunk=chunk)
 
 
 def bound_bytes(run: dict) -> float:

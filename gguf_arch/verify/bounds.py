@@ -44,7 +44,8 @@ def q8_0_bound(x: np.ndarray) -> np.ndarray:
 # gguf-py's quants reproduce byte for byte) choose them, per block of 32 values. Each bound is half
 # a quantization step where the code is rounded to nearest (MXFP4's uneven grid: the exact distance
 # to the nearest code), the clipped distance where ggml clips, plus the f16 rounding of the stored
-# scale / min, plus _STEP_SLACK of a step for the quantizer's float32 arithmetic (x * (1/d) rounded can pick the farther of two codes by ~2^-18 of a step).
+# scale / min, plus _STEP_SLACK of a step for the quantizer's float32 arithmetic (x * (1/d)
+# rounded can pick the farther of two codes by ~2^-18 of a step).
 # Where a step is resolvable (the f16 scale is normal and, for Q4_1/Q5_1, |min| is at most the block's
 # range, as in weight blocks that straddle zero; MXFP4 always), a code one step away from the source
 # value is caught (its error is a step plus the rounding error), and one step towards it unless the
