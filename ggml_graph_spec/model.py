@@ -76,10 +76,13 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
     t = weights.tensors
     p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type
     bank = ResidualBank()
+    first_moe = next((l for l in range(cfg.num_layers) if cfg.is_moe(l)), 0)
     for l in range(cfg.num_layers):
         g.begin_segment(l)
         w = weights.layer(l)
         x = p if len(bank) == 0 else attn_res(g, p, bank, w(ATTN_RES_SCORE))
+        if l == 0 and first_moe > 0:
+            _predict_experts(g, weights, first_moe, x)
         if l % cfg.attn_res_block_size == 0:
             bank.push(g, p)  # bank the raw incoming partial sum; the block restarts
             p = None
@@ -87,8 +90,8 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
         a = build_kda(g, w, h) if cfg.is_kda(l) else build_mla(g, w, h)
         p = a if p is None else ggml.ggml_add(c, p, a)
         y = attn_res(g, p, bank, w(FFN_RES_SCORE))
-        if g.predict_experts is not None and l + 1 < cfg.num_layers and cfg.is_moe(l + 1):
-            g.predict_experts(g, l + 1, partial(predict_experts, g, weights.layer(l + 1), y))
+        if l + 1 < cfg.num_layers and cfg.is_moe(l + 1) and l + 1 != first_moe:
+            _predict_experts(g, weights, l + 1, y)
         h = ffn_norm(g, w, y)
         f = build_moe(g, w, h) if cfg.is_moe(l) else build_dense_ffn(g, w, h)
         p = ggml.ggml_add(c, p, f)
@@ -98,6 +101,18 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
     out = attn_res(g, p, bank, t[OUTPUT_RES_SCORE])
     out = g.rms_norm(out, t[OUTPUT_NORM], cfg.rms_norm_eps)
     return g.mm(t[OUTPUT], out)  # [vocab, T]
+
+
+def _predict_experts(g: GraphBuild, weights: GGUFWeights, layer: int, x) -> None:
+    """Offer a memory budget's executor MoE layer `layer`'s experts predicted from x (an earlier
+    input, before the norm): it reads them while the compute up to that layer's selection runs.
+    Every MoE layer is predicted at the FFN input of the layer before, but the token's first: from
+    the embedding, ahead of the first layer's attention, since from the previous token's last
+    selection until then the disk has nothing to read (at a dense layer 0's FFN input, as first
+    done, it also idled through that attention: bench/memory.py's model at 1/2, 21 ms of idle
+    disk a token against 16, the prediction as often right)."""
+    if g.predict_experts is not None:
+        g.predict_experts(g, layer, partial(predict_experts, g, weights.layer(layer), x))
 
 
 def _graph_size(weights: GGUFWeights) -> int:

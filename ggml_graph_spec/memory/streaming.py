@@ -222,12 +222,12 @@ class StreamingExecutor(Executor):
         self._slots: list[np.ndarray] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-k3-prefetch")
         self._pending: dict[int, Future] = {}
-        self._ahead: dict[int, object] = {}  # the graph being run's _predicted
+        self._ahead: dict[int, tuple] = {}  # the graph being run's _predicted
         self._guessed: dict[int, set] = {}  # MoE layer -> the experts predicted for it, until it runs
         self.guess_right = self.guess_total = 0  # of the layers' selected experts, how many were predicted
         self._loads = 0
         self._bound: dict[int, _Bound] = {}
-        self._predicted: dict[int, object] = {}  # MoE layer -> its experts predicted in the layer before
+        self._predicted: dict[int, tuple] = {}  # segment -> (a later MoE layer, its experts predicted there)
 
     def attach(self, cache_bytes: int) -> None:
         self._cache_bytes = cache_bytes
@@ -280,16 +280,17 @@ class StreamingExecutor(Executor):
         return slots, pool
 
     def predict_experts(self, g: GraphBuild, layer: int, build) -> None:
-        """GraphBuild's hook before a MoE layer's FFN: `build()` makes the next MoE layer's
-        predicted ids there. Asked for where the next layer's experts come from the cache and
-        its trunk (its router) is resident: a streamed trunk is not in a slot yet."""
+        """GraphBuild's hook in an earlier layer (model._predict_experts): `build()` makes MoE
+        layer `layer`'s predicted ids there, in the segment being built. Asked for where that
+        layer's experts come from the cache and its trunk (its router) is resident: a streamed
+        trunk is not in a slot yet."""
         p = self.plan_
         if p is None or self.cache is None or layer in p.streamed or layer not in p.expert_layers:
             return
         ids = build()
         ggml.ggml_set_output(ids)
         g.expand(ids)
-        self._predicted[layer] = ids
+        self._predicted[g.segment_of(ids)] = (layer, ids)
 
     def _run(self, g: GraphBuild) -> int:
         if self.plan_ is None:
@@ -319,16 +320,17 @@ class StreamingExecutor(Executor):
         return ggml.ggml_backend_graph_compute(self.backend, ctypes.pointer(view))
 
     def _run_plain(self, g: GraphBuild, nodes: list[int], segment: int, run: tuple[int, int]) -> int:
-        """A segment whose experts (if any) are not the cache's. One that predicts the next MoE
-        layer's (a dense layer before one) is run up to the prediction, the predicted experts'
-        reads started, then the rest: its FFN and the next layer's attention hide them."""
-        (i0, i1), nxt = run, self._ahead.get(segment + 1) if isinstance(segment, int) else None  # not the output's
+        """A segment whose experts (if any) are not the cache's. One that predicts a later MoE
+        layer's (the first layer, or a dense layer before a MoE one) is run up to the prediction,
+        the predicted experts' reads started, then the rest: the compute up to that layer's
+        selection hides them."""
+        (i0, i1), nxt = run, self._ahead.get(segment)
         if nxt is None or self.cache is None:
             return self._compute(g, i0, i1)
-        split = nodes.index(ctypes.addressof(nxt.contents), i0, i1) + 1
+        split = nodes.index(ctypes.addressof(nxt[1].contents), i0, i1) + 1
         status = self._compute(g, i0, split)
         if status == ggml.GGML_STATUS_SUCCESS:
-            self.cache.read_ahead(*self._guess(segment))
+            self.cache.read_ahead(*self._guess(nxt))
             status = self._compute(g, split, i1)
         return status
 
@@ -342,7 +344,7 @@ class StreamingExecutor(Executor):
         ids = self.read(b.ids).astype(np.int32)
         experts, inverse = np.unique(ids, return_inverse=True)
         self._score(layer, experts)
-        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(layer))
+        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(self._ahead.get(layer)))
         if entries is None:  # more experts than the cache holds: the mapped stacks, whole
             for t, s in zip(b.pool, self.files.experts[layer]):  # (the pitched path has no view to restride)
                 _point(views, t, s.tensor.contents.data)
@@ -364,15 +366,15 @@ class StreamingExecutor(Executor):
             self.guess_right += len(guessed & set(experts.tolist()))
             self.guess_total += len(experts)
 
-    def _guess(self, layer: int) -> tuple | None:
-        """The next MoE layer's predicted experts (ExpertCache.place's `ahead`), if this graph
-        predicted them in `layer`."""
-        nxt = self._ahead.get(layer + 1)
-        if nxt is None:
+    def _guess(self, prediction: tuple | None) -> tuple | None:
+        """A prediction's (MoE layer, ids) experts as ExpertCache.read_ahead and place's `ahead`
+        take them: that layer, its stacks, the experts (none: None)."""
+        if prediction is None:
             return None
-        predicted = np.array(list(dict.fromkeys(self.read(nxt).ravel().tolist())), np.int64)  # in the order given
-        self._guessed[layer + 1] = set(predicted.tolist())
-        return layer + 1, self.files.experts[layer + 1], predicted
+        layer, ids = prediction
+        predicted = np.array(list(dict.fromkeys(self.read(ids).ravel().tolist())), np.int64)  # in the order given
+        self._guessed[layer] = set(predicted.tolist())
+        return layer, self.files.experts[layer], predicted
 
     def _whole(self, layer: int) -> None:
         self.whole_reads += 1

@@ -2,6 +2,7 @@
 on the fast and the exact path, and inside a real memory cgroup (memory/budget.py, streaming.py)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -9,9 +10,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import ggml
+import numpy as np
 import pytest
 
 import convert_kimi_k3
+from gguf_arch.arch.tensors import gguf_layer
 from gguf_arch.synth.cli import main as synth_main
 from ggml_graph_spec.memory.budget import PRESETS, BudgetError, parse_size, plan_budget
 
@@ -368,3 +372,77 @@ def test_doctor_refuses_a_broken_listing_in_one_line(big_gguf, tmp_path, cut):
     bad.write_text("\n".join(lines) + "\n")
     r = _doctor(bad)
     assert r.returncode == 2 and r.stderr.startswith(f"error: {bad}") and r.stderr.count("\n") == 1, r.stderr
+
+
+def _leaves(t, seen: set | None = None) -> set[str]:
+    """The names of the tensors no op computes (weights, inputs) that t is computed from."""
+    seen = set() if seen is None else seen
+    if not t or ctypes.addressof(t.contents) in seen:
+        return set()
+    seen.add(ctypes.addressof(t.contents))
+    c = t.contents
+    srcs = [c.src[i] for i in range(ggml.GGML_MAX_SRC)] + [c.view_src]
+    if c.op == ggml.GGML_OP_NONE and not c.view_src:
+        return {ggml.ggml_get_name(t).decode()}
+    return set().union(*(_leaves(s, seen) for s in srcs if s))
+
+
+def _weight_layers(node) -> set:
+    """The layers of the weights `node` reads directly (or through a view)."""
+    c = node.contents
+    srcs = [c.src[i] for i in range(ggml.GGML_MAX_SRC) if c.src[i]]
+    leaves = [s.contents.view_src or s for s in srcs]
+    return {gguf_layer(ggml.ggml_get_name(t).decode()) for t in leaves if t.contents.op == ggml.GGML_OP_NONE}
+
+
+@pytest.mark.parametrize("dense", [1, 2])
+def test_the_first_moe_layer_is_predicted_from_the_embedding(tmp_path, monkeypatch, dense):
+    """The token's first MoE layer's experts are predicted in the first layer's segment, from the
+    embedding alone (no weight of a layer before it), ahead of every node that reads the first
+    layer's weights: their reads overlap its attention (model._predict_experts); the others in
+    the layer before. Every MoE layer is predicted, every decoded token, and the tokens are the
+    unlimited run's."""
+    from ggml_graph_spec.memory.streaming import StreamingExecutor
+    from ggml_graph_spec.model import Model
+    assert synth_main(["--preset", "tiny", "--experts", "32", "--latent", "256", "--moe-intermediate", "512",
+                       "--dense-layers", str(dense), str(tmp_path / "hf")]) == 0  # as pitched_gguf: big experts
+    gguf = tmp_path / "m.gguf"
+    assert convert_kimi_k3.main([str(tmp_path / "hf"), str(gguf), "--quiet"]) == 0
+    seen, run = [], StreamingExecutor._run
+
+    def looking(self, g):
+        segments = g.segments_by_address()
+        nodes = [ggml.ggml_graph_node(g.gf, i) for i in range(ggml.ggml_graph_n_nodes(g.gf))]
+        first_reader = min(i for i, n in enumerate(nodes) if 0 in _weight_layers(n))
+        for layer, ids in self._predicted.values():
+            at = [ctypes.addressof(n.contents) for n in nodes].index(ctypes.addressof(ids.contents))
+            seen.append((layer, segments[ctypes.addressof(ids.contents)], at < first_reader,
+                         {gguf_layer(n) for n in _leaves(ids) if n.startswith("blk.")}))
+        return run(self, g)
+
+    monkeypatch.setattr(StreamingExecutor, "_run", looking)
+    tokens = {}
+    for budget in (None, str(gguf.stat().st_size // 2)):
+        m = Model.load(gguf, n_ctx=64, n_threads=1, mem_budget=budget)
+        try:
+            logits, out = m.eval([3, 1, 4]), []
+            before = getattr(m.executor, "guess_total", 0)
+            for _ in range(4):
+                out.append(int(np.argmax(logits[-1])))
+                logits = m.eval([out[-1]])
+            tokens[budget is None] = out
+            if budget is not None:
+                x = m.executor
+                assert x.plan_.streamed == () and x.cache is not None, x.summary()  # every router resident
+                moe = len(x.plan_.expert_layers)
+                assert x.guess_total - before == 4 * m.cfg.num_experts_used * moe
+        finally:
+            m.close()
+    assert tokens[True] == tokens[False]
+    early = [s for s in seen if s[0] == dense and s[1] == 0]
+    assert early and all(s[2:] == (True, {dense}) for s in early), early
+    where: dict[int, set] = {}
+    for layer, segment, *_ in seen:
+        where.setdefault(layer, set()).add(segment)
+    assert where.pop(dense) == {0}
+    assert where and all(segments == {layer - 1} for layer, segments in where.items()), where
