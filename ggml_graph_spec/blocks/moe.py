@@ -124,7 +124,10 @@ def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """LatentMoE on the normed input x [n_embd, T] (D.6)."""
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     ids, weights = _route(g, w, x)
+    # Made (so computed) after the router and before the routed experts: a memory budget's
+    # executor computes these while the selected experts it misses are read (memory/streaming.py)
     z = g.mm(w(FFN_ROUTED_DOWN), x)  # [L, T]
+    shared = situ_mlp(g, x, w(FFN_GATE_SHEXP), w(FFN_UP_SHEXP), w(FFN_DOWN_SHEXP))
     outputs = _routed_experts(g, w, z, ids)  # [L, k, T]
     if g.wants(taps.MOE_NORMS):
         taps.record_slot_norms(g, w.layer, outputs)
@@ -135,5 +138,4 @@ def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
         term = ggml.ggml_view_2d(c, per_expert, L, T, nb2, j * nb1)
         u = term if u is None else ggml.ggml_add(c, u, term)
     routed = g.mm(w(FFN_ROUTED_UP), g.rms_norm(u, w(FFN_ROUTED_NORM), cfg.rms_norm_eps))
-    shared = situ_mlp(g, x, w(FFN_GATE_SHEXP), w(FFN_UP_SHEXP), w(FFN_DOWN_SHEXP))
     return ggml.ggml_add(c, routed, shared)

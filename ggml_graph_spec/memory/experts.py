@@ -208,14 +208,18 @@ class ExpertCache:
         return out
 
     def place(self, layer: int, stacks: list[ExpertStack], experts: np.ndarray,
-              ahead: tuple[int, list[ExpertStack], np.ndarray] | None = None) -> np.ndarray | None:
+              ahead: tuple[int, list[ExpertStack], np.ndarray] | None = None,
+              during: Callable[[], None] | None = None) -> np.ndarray | None:
         """The entry of each of `experts` (distinct ids), reading the ones not held; None when
         they are more than the cache holds (the caller then reads the layer's experts whole).
         `ahead` (layer, stacks, experts): a prediction of the next layer's, queued behind this
-        layer's misses and not waited for (read_ahead)."""
+        layer's misses and not waited for (read_ahead). `during()`, called once in either case,
+        runs while the reads do, before they are waited for."""
         keys = [(layer, int(e)) for e in experts]
         useful = self._resolve(set(keys) if len(keys) <= self.entries else set())
         if len(keys) > self.entries:
+            if during is not None:
+                during()
             return None
         self._tick += 1
         for k in keys:
@@ -232,6 +236,8 @@ class ExpertCache:
             self._inflight[self._where[k]] = self._submit(stacks, k[1], self._where[k])
         if ahead is not None:  # queued behind this layer's reads: a reader they leave idle starts one
             self.read_ahead(*ahead, keep=set(keys))
+        if during is not None:
+            during()
         for k in [*missing, *useful]:
             self._settle(self._where[k])
         return np.array([self._where[k] for k in keys], dtype=np.int32)

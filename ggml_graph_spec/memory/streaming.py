@@ -335,16 +335,23 @@ class StreamingExecutor(Executor):
         return status
 
     def _run_moe(self, g: GraphBuild, scan: tuple, layer: int, b: _Bound, run: tuple[int, int]) -> int:
-        """The layer up to its expert matmuls, the selected experts brought in, then the rest."""
+        """The layer up to its router's ids; the selected experts brought in, and while the missed
+        ones are read the nodes up to the expert matmuls (the shared experts: blocks/moe.py builds
+        them there); then the rest."""
         (views, nodes), (i0, i1) = scan, run
         split = _first_reader(nodes, b.reads(), i0, i1)
-        status = self._compute(g, i0, split)
+        routed = nodes.index(ctypes.addressof(b.ids.contents), i0, split) + 1
+        status = self._compute(g, i0, routed)
         if status != ggml.GGML_STATUS_SUCCESS:
             return status
         ids = self.read(b.ids).astype(np.int32)
         experts, inverse = np.unique(ids, return_inverse=True)
         self._score(layer, experts)
-        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(self._ahead.get(layer)))
+        meanwhile = []
+        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(self._ahead.get(layer)),
+                                   during=lambda: meanwhile.append(self._compute(g, routed, split)))
+        if meanwhile[0] != ggml.GGML_STATUS_SUCCESS:
+            return meanwhile[0]
         if entries is None:  # more experts than the cache holds: the mapped stacks, whole
             for t, s in zip(b.pool, self.files.experts[layer]):  # (the pitched path has no view to restride)
                 _point(views, t, s.tensor.contents.data)

@@ -446,3 +446,74 @@ def test_the_first_moe_layer_is_predicted_from_the_embedding(tmp_path, monkeypat
         where.setdefault(layer, set()).add(segment)
     assert where.pop(dense) == {0}
     assert where and all(segments == {layer - 1} for layer, segments in where.items()), where
+
+
+def _sources(g, i0: int, i1: int) -> tuple[set[str], set[int]]:
+    """The names (of the viewed tensor, for a view) and addresses of nodes i0..i1's sources."""
+    names, addresses = set(), set()
+    for i in range(i0, i1):
+        n = ggml.ggml_graph_node(g.gf, i).contents
+        for s in (n.src[j] for j in range(ggml.GGML_MAX_SRC)):
+            if s:
+                names.add(ggml.ggml_get_name(s.contents.view_src or s).decode())
+                addresses.add(ctypes.addressof(s.contents))
+    return names, addresses
+
+
+def test_the_shared_experts_compute_while_the_missed_experts_are_read(tmp_path, monkeypatch):
+    """At a MoE layer the executor computes, after reading the router's ids back and submitting
+    the missed experts' reads and before waiting for them, the nodes up to the expert matmuls:
+    the shared experts' three matmuls among them, no node that reads the expert cache
+    (ExpertCache.place's `during`). The tokens are the unlimited run's."""
+    from ggml_graph_spec.memory.experts import ExpertCache
+    from ggml_graph_spec.memory.streaming import StreamingExecutor
+    from ggml_graph_spec.model import Model
+    assert synth_main(["--preset", "tiny", "--experts", "32", "--latent", "256", "--moe-intermediate", "512",
+                       str(tmp_path / "hf")]) == 0
+    gguf = tmp_path / "m.gguf"
+    assert convert_kimi_k3.main([str(tmp_path / "hf"), str(gguf), "--quiet"]) == 0
+    calls, place, compute, run = [], ExpertCache.place, StreamingExecutor._compute, StreamingExecutor._run
+    state: dict = {"in": None, "pool": set()}
+
+    def placing(self, layer, stacks, experts, ahead=None, during=None):
+        def watched():
+            state["in"] = {"layer": layer, "in_flight": len(self._inflight), "names": set(), "sources": set()}
+            during()
+            d, state["in"] = state["in"], None
+            d["reads_pool"] = bool(d.pop("sources") & state["pool"])
+            calls.append(d)
+        return place(self, layer, stacks, experts, ahead, during=watched if during else None)
+
+    def computing(self, g, i0, i1):
+        if state["in"] is not None:
+            names, addresses = _sources(g, i0, i1)
+            state["in"]["names"] |= names
+            state["in"]["sources"] |= addresses
+        return compute(self, g, i0, i1)
+
+    def running(self, g):
+        state["pool"] = {ctypes.addressof(t.contents) for b in self._bound.values() for t in (b.slots, *b.pool)}
+        return run(self, g)
+
+    monkeypatch.setattr(ExpertCache, "place", placing)
+    monkeypatch.setattr(StreamingExecutor, "_compute", computing)
+    monkeypatch.setattr(StreamingExecutor, "_run", running)
+    tokens, moe_layers = {}, ()
+    for budget in (None, str(gguf.stat().st_size // 2)):
+        m = Model.load(gguf, n_ctx=64, n_threads=1, mem_budget=budget)
+        try:
+            logits, out = m.eval([3, 1, 4]), []
+            for _ in range(4):
+                out.append(int(np.argmax(logits[-1])))
+                logits = m.eval([out[-1]])
+            tokens[budget is None] = out
+            if budget is not None:
+                moe_layers = m.executor.plan_.expert_layers
+        finally:
+            m.close()
+    assert tokens[True] == tokens[False]
+    assert moe_layers and {d["layer"] for d in calls} == set(moe_layers)
+    assert any(d["in_flight"] for d in calls), "no layer had a read in flight while it computed: proves nothing"
+    for d in calls:
+        shexp = {f"blk.{d['layer']}.ffn_{k}_shexp.weight" for k in ("gate", "up", "down")}
+        assert shexp <= d["names"] and not d["reads_pool"], (d["layer"], sorted(d["names"]))
