@@ -105,6 +105,8 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
     routed_ids, stacks = ids, [w(n) for n in names]
     if g.bind_experts is not None:  # a memory budget's executor places the experts (memory/streaming.py)
         ids, stacks = g.bind_experts(g, w.layer, ids, stacks)
+        if ids is not routed_ids and not g.exact and not g.wants(taps.IMATRIX):
+            return _routed_experts_by_slot(g, z, ids, stacks)
     if g.exact:
         gate_b, up_b, down_b = (_dequantized_experts(g, s, ids) for s in stacks)
         ids = g.input("expert_slots", I32, (k, T), np.arange(k * T, dtype=np.int32).reshape(T, k))
@@ -118,6 +120,22 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
         for name, x in zip(names, (z3, z3, hidden)):
             taps.record_expert_input_sq(g, layer_name(name, w.layer), x, routed_ids, g.cfg.num_experts)
     return ggml.ggml_mul_mat_id(c, down_b, hidden, ids)  # [L, k, T]
+
+
+def _routed_experts_by_slot(g: GraphBuild, z: Tensor, ids: Tensor, stacks: list[Tensor]) -> Tensor:
+    """_routed_experts' fast path one slot (j-th selected expert of every token) at a time, each
+    slot's nodes together, their outputs joined: [L, k, T]. For an executor that reads experts
+    while the slots whose experts it holds compute (memory/streaming.py). The values are the
+    batched matmuls': mul_mat_id computes each (expert, token) row on its own."""
+    c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
+    z3 = ggml.ggml_reshape_3d(c, z, z.contents.ne[0], 1, T)
+    out = None
+    for j in range(k):
+        slot = ggml.ggml_view_2d(c, ids, 1, T, ids.contents.nb[1], j * ids.contents.nb[0])  # I32 [1, T]
+        hidden = situ(g, ggml.ggml_mul_mat_id(c, stacks[0], z3, slot), ggml.ggml_mul_mat_id(c, stacks[1], z3, slot))
+        y = ggml.ggml_mul_mat_id(c, stacks[2], hidden, slot)  # [L, 1, T]
+        out = y if out is None else ggml.ggml_concat(c, out, y, 1)
+    return out
 
 
 def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:

@@ -209,12 +209,14 @@ class ExpertCache:
 
     def place(self, layer: int, stacks: list[ExpertStack], experts: np.ndarray,
               ahead: tuple[int, list[ExpertStack], np.ndarray] | None = None,
-              during: Callable[[], None] | None = None) -> np.ndarray | None:
-        """The entry of each of `experts` (distinct ids), reading the ones not held; None when
-        they are more than the cache holds (the caller then reads the layer's experts whole).
-        `ahead` (layer, stacks, experts): a prediction of the next layer's, queued behind this
-        layer's misses and not waited for (read_ahead). `during()`, called once in either case,
-        runs while the reads do, before they are waited for."""
+              during: Callable[[], None] | None = None, settle: bool = True) -> np.ndarray | None:
+        """The entry of each of `experts` (distinct ids), reading the ones not held (in the order
+        given); None when they are more than the cache holds (the caller then reads the layer's
+        experts whole). `ahead` (layer, stacks, experts): a prediction of the next layer's, queued
+        behind this layer's misses and not waited for (read_ahead). `during()`, called once in
+        either case, runs while the reads do, before they are waited for; with `settle` False
+        they are not waited for here: the caller waits for each entry with ready() before it
+        reads it, and for all of them before the next place()."""
         keys = [(layer, int(e)) for e in experts]
         useful = self._resolve(set(keys) if len(keys) <= self.entries else set())
         if len(keys) > self.entries:
@@ -238,9 +240,16 @@ class ExpertCache:
             self.read_ahead(*ahead, keep=set(keys))
         if during is not None:
             during()
-        for k in [*missing, *useful]:
-            self._settle(self._where[k])
-        return np.array([self._where[k] for k in keys], dtype=np.int32)
+        entries = np.array([self._where[k] for k in keys], dtype=np.int32)
+        if settle:
+            self.ready(entries)
+        return entries
+
+    def ready(self, entries: np.ndarray) -> None:
+        """Wait for the reads into `entries` still in flight (place's `settle`)."""
+        for entry in dict.fromkeys(entries.tolist()):
+            if entry in self._inflight:
+                self._settle(entry)
 
     def _resolve(self, selected: set) -> list[tuple[int, int]]:
         """The predicted experts among `selected` (useful); the other predictions let go."""

@@ -7,11 +7,13 @@ before a streamed layer's segment points that layer's trunk tensors (everything 
 experts; and the graph's views of them, whose addresses ggml-alloc fixed from the mapping) at a
 slot the prefetch thread filled: one read per run of adjacent tensors (a layer's trunk is one
 in a GGUF), laid out in the slot as in the file so that O_DIRECT reads it straight in. A MoE
-layer's segment is run in two parts, split at the first node that reads the experts: the first part computes the router's top-k ids; the
-executor reads them back, has the expert cache hold those experts (reading the missed ones) and
-writes their cache entries into the ids input of the expert matmuls (the router's own ids, which
-the gating weights' get_rows read, are left as they are); the second part computes the experts
-from the cache. When a batch selects more experts than the cache holds, the layer's mapped expert
+layer's segment is run in parts: up to the router's top-k ids; the executor reads them back, has
+the expert cache hold those experts (starting the reads of the missed ones, in slot order) and
+computes, while they are read, the nodes that do not need them (the shared experts); it writes
+their cache entries into the ids input of the expert matmuls (the router's own ids, which the
+gating weights' get_rows read, are left as they are); then the experts compute from the cache,
+on the fast path one slot at a time (moe._routed_experts_by_slot), each as soon as its entries
+are in. When a batch selects more experts than the cache holds, the layer's mapped expert
 stacks are used whole and their pages dropped after. The plan is made before the first graph is
 built, from a graph planned for the purpose (`wants_plan`): its compute buffer is part of it.
 Reads are large and sequential and go around the page cache (or their pages are dropped after,
@@ -337,19 +339,23 @@ class StreamingExecutor(Executor):
     def _run_moe(self, g: GraphBuild, scan: tuple, layer: int, b: _Bound, run: tuple[int, int]) -> int:
         """The layer up to its router's ids; the selected experts brought in, and while the missed
         ones are read the nodes up to the expert matmuls (the shared experts: blocks/moe.py builds
-        them there); then the rest."""
+        them there); then the rest, where the graph has one slot's experts at a time
+        (moe._routed_experts_by_slot) each slot as soon as its experts are in: the missed ones
+        are read in slot order, so the first slots compute while the later ones are read."""
         (views, nodes), (i0, i1) = scan, run
         split = _first_reader(nodes, b.reads(), i0, i1)
         routed = nodes.index(ctypes.addressof(b.ids.contents), i0, split) + 1
         status = self._compute(g, i0, routed)
         if status != ggml.GGML_STATUS_SUCCESS:
             return status
-        ids = self.read(b.ids).astype(np.int32)
-        experts, inverse = np.unique(ids, return_inverse=True)
+        ids = self.read(b.ids).astype(np.int32)  # [T, k]
+        by_slot = ids.T.ravel()  # slot 0 of every token, then slot 1, ...
+        experts, first, inverse = np.unique(by_slot, return_index=True, return_inverse=True)
+        order = np.argsort(first)  # the distinct experts in slot order
         self._score(layer, experts)
         meanwhile = []
-        entries = self.cache.place(layer, self.files.experts[layer], experts, self._guess(self._ahead.get(layer)),
-                                   during=lambda: meanwhile.append(self._compute(g, routed, split)))
+        entries = self.cache.place(layer, self.files.experts[layer], experts[order], self._guess(self._ahead.get(layer)),
+                                   during=lambda: meanwhile.append(self._compute(g, routed, split)), settle=False)
         if meanwhile[0] != ggml.GGML_STATUS_SUCCESS:
             return meanwhile[0]
         if entries is None:  # more experts than the cache holds: the mapped stacks, whole
@@ -358,10 +364,22 @@ class StreamingExecutor(Executor):
                 t.contents.nb[2], t.contents.nb[3] = s.stride, s.stride * t.contents.ne[2]
             value = ids
         else:
-            value = entries[inverse.reshape(ids.shape)]
+            held = np.empty_like(entries)
+            held[order] = entries  # by expert, as np.unique sorted them
+            value = held[inverse].reshape(ids.shape[::-1]).T
         value = np.ascontiguousarray(value, dtype=np.int32)
         ggml.ggml_backend_tensor_set(b.slots, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
-        status = self._compute(g, split, i1)
+        starts = _slot_starts(nodes, b.slots, split, i1)
+        if entries is None or len(starts) != value.shape[1]:
+            starts = [split]  # the experts batched (the exact path): all of them first
+        for j, (a, z) in enumerate(zip(starts, [*starts[1:], i1])):
+            if entries is not None:
+                self.cache.ready(value[:, j] if len(starts) > 1 else value.ravel())
+            status = self._compute(g, a, z)
+            if status != ggml.GGML_STATUS_SUCCESS:
+                break
+        if entries is not None:
+            self.cache.ready(value.ravel())  # (a failed compute left some in flight)
         if entries is None:
             self._whole(layer)
         return status
@@ -464,6 +482,18 @@ def _first_reader(nodes: list[int], tensors: set[int], i0: int, i1: int) -> int:
         if any(s in tensors for s in (ctypes.c_void_p * ggml.GGML_MAX_SRC).from_address(nodes[i] + _SRC)):
             return i
     return i1
+
+
+def _slot_starts(nodes: list[int], slots, i0: int, i1: int) -> list[int]:
+    """The nodes in i0..i1 that are views of the expert-entries input `slots`: where each slot of
+    moe._routed_experts_by_slot starts (none where the experts are batched)."""
+    at = ctypes.addressof(slots.contents)
+    starts = []
+    for i in range(i0, i1):
+        t = ggml.ggml_tensor.from_address(nodes[i])
+        if t.op == ggml.GGML_OP_VIEW and t.view_src and ctypes.addressof(t.view_src.contents) == at:
+            starts.append(i)
+    return starts
 
 
 def _span(layers: tuple[int, ...]) -> str:

@@ -374,6 +374,28 @@ def test_doctor_refuses_a_broken_listing_in_one_line(big_gguf, tmp_path, cut):
     assert r.returncode == 2 and r.stderr.startswith(f"error: {bad}") and r.stderr.count("\n") == 1, r.stderr
 
 
+def _decode_at_half(gguf: Path, n: int, after_prompt=None, at_end=None) -> None:
+    """Greedy-decode n tokens after the prompt [3, 1, 4] in-process, unlimited and at half the
+    file: the tokens must be the same. after_prompt(model) and at_end(model) see the budget run."""
+    from ggml_graph_spec.model import Model
+    tokens = {}
+    for budget in (None, str(gguf.stat().st_size // 2)):
+        m = Model.load(gguf, n_ctx=64, n_threads=1, mem_budget=budget)
+        try:
+            logits, out = m.eval([3, 1, 4]), []
+            if budget and after_prompt:
+                after_prompt(m)
+            for _ in range(n):
+                out.append(int(np.argmax(logits[-1])))
+                logits = m.eval([out[-1]])
+            if budget and at_end:
+                at_end(m)
+            tokens[budget is None] = out
+        finally:
+            m.close()
+    assert tokens[True] == tokens[False]
+
+
 def _leaves(t, seen: set | None = None) -> set[str]:
     """The names of the tensors no op computes (weights, inputs) that t is computed from."""
     seen = set() if seen is None else seen
@@ -403,7 +425,6 @@ def test_the_first_moe_layer_is_predicted_from_the_embedding(tmp_path, monkeypat
     the layer before. Every MoE layer is predicted, every decoded token, and the tokens are the
     unlimited run's."""
     from ggml_graph_spec.memory.streaming import StreamingExecutor
-    from ggml_graph_spec.model import Model
     assert synth_main(["--preset", "tiny", "--experts", "32", "--latent", "256", "--moe-intermediate", "512",
                        "--dense-layers", str(dense), str(tmp_path / "hf")]) == 0  # as pitched_gguf: big experts
     gguf = tmp_path / "m.gguf"
@@ -420,25 +441,19 @@ def test_the_first_moe_layer_is_predicted_from_the_embedding(tmp_path, monkeypat
                          {gguf_layer(n) for n in _leaves(ids) if n.startswith("blk.")}))
         return run(self, g)
 
+    def after_prompt(m):
+        x = m.executor
+        assert x.plan_.streamed == () and x.cache is not None, x.summary()  # every router resident
+        guessed.append(x.guess_total)
+
+    def at_end(m):  # every MoE layer predicted, every decoded token
+        x = m.executor
+        assert x.guess_total - guessed[0] == 4 * m.cfg.num_experts_used * len(x.plan_.expert_layers)
+
     monkeypatch.setattr(StreamingExecutor, "_run", looking)
-    tokens = {}
-    for budget in (None, str(gguf.stat().st_size // 2)):
-        m = Model.load(gguf, n_ctx=64, n_threads=1, mem_budget=budget)
-        try:
-            logits, out = m.eval([3, 1, 4]), []
-            before = getattr(m.executor, "guess_total", 0)
-            for _ in range(4):
-                out.append(int(np.argmax(logits[-1])))
-                logits = m.eval([out[-1]])
-            tokens[budget is None] = out
-            if budget is not None:
-                x = m.executor
-                assert x.plan_.streamed == () and x.cache is not None, x.summary()  # every router resident
-                moe = len(x.plan_.expert_layers)
-                assert x.guess_total - before == 4 * m.cfg.num_experts_used * moe
-        finally:
-            m.close()
-    assert tokens[True] == tokens[False]
+    guessed: list[int] = []
+    _decode_at_half(gguf, 4, after_prompt, at_end)
+    assert guessed
     early = [s for s in seen if s[0] == dense and s[1] == 0]
     assert early and all(s[2:] == (True, {dense}) for s in early), early
     where: dict[int, set] = {}
@@ -460,29 +475,24 @@ def _sources(g, i0: int, i1: int) -> tuple[set[str], set[int]]:
     return names, addresses
 
 
-def test_the_shared_experts_compute_while_the_missed_experts_are_read(tmp_path, monkeypatch):
+def test_the_shared_experts_compute_while_the_missed_experts_are_read(pitched_gguf, monkeypatch):
     """At a MoE layer the executor computes, after reading the router's ids back and submitting
     the missed experts' reads and before waiting for them, the nodes up to the expert matmuls:
     the shared experts' three matmuls among them, no node that reads the expert cache
     (ExpertCache.place's `during`). The tokens are the unlimited run's."""
     from ggml_graph_spec.memory.experts import ExpertCache
     from ggml_graph_spec.memory.streaming import StreamingExecutor
-    from ggml_graph_spec.model import Model
-    assert synth_main(["--preset", "tiny", "--experts", "32", "--latent", "256", "--moe-intermediate", "512",
-                       str(tmp_path / "hf")]) == 0
-    gguf = tmp_path / "m.gguf"
-    assert convert_kimi_k3.main([str(tmp_path / "hf"), str(gguf), "--quiet"]) == 0
     calls, place, compute, run = [], ExpertCache.place, StreamingExecutor._compute, StreamingExecutor._run
     state: dict = {"in": None, "pool": set()}
 
-    def placing(self, layer, stacks, experts, ahead=None, during=None):
+    def placing(self, layer, stacks, experts, ahead=None, during=None, **kw):
         def watched():
             state["in"] = {"layer": layer, "in_flight": len(self._inflight), "names": set(), "sources": set()}
             during()
             d, state["in"] = state["in"], None
             d["reads_pool"] = bool(d.pop("sources") & state["pool"])
             calls.append(d)
-        return place(self, layer, stacks, experts, ahead, during=watched if during else None)
+        return place(self, layer, stacks, experts, ahead, during=watched if during else None, **kw)
 
     def computing(self, g, i0, i1):
         if state["in"] is not None:
@@ -498,22 +508,49 @@ def test_the_shared_experts_compute_while_the_missed_experts_are_read(tmp_path, 
     monkeypatch.setattr(ExpertCache, "place", placing)
     monkeypatch.setattr(StreamingExecutor, "_compute", computing)
     monkeypatch.setattr(StreamingExecutor, "_run", running)
-    tokens, moe_layers = {}, ()
-    for budget in (None, str(gguf.stat().st_size // 2)):
-        m = Model.load(gguf, n_ctx=64, n_threads=1, mem_budget=budget)
-        try:
-            logits, out = m.eval([3, 1, 4]), []
-            for _ in range(4):
-                out.append(int(np.argmax(logits[-1])))
-                logits = m.eval([out[-1]])
-            tokens[budget is None] = out
-            if budget is not None:
-                moe_layers = m.executor.plan_.expert_layers
-        finally:
-            m.close()
-    assert tokens[True] == tokens[False]
+    moe_layers: list = []
+    _decode_at_half(pitched_gguf, 4, at_end=lambda m: moe_layers.extend(m.executor.plan_.expert_layers))
     assert moe_layers and {d["layer"] for d in calls} == set(moe_layers)
     assert any(d["in_flight"] for d in calls), "no layer had a read in flight while it computed: proves nothing"
     for d in calls:
         shexp = {f"blk.{d['layer']}.ffn_{k}_shexp.weight" for k in ("gate", "up", "down")}
         assert shexp <= d["names"] and not d["reads_pool"], (d["layer"], sorted(d["names"]))
+
+
+def test_each_slot_computes_once_its_own_experts_are_in(pitched_gguf, monkeypatch):
+    """Decoding at a budget, a MoE layer's routed experts run one slot at a time
+    (moe._routed_experts_by_slot): place() gets the selected experts in slot order (so the missed
+    ones are read in that order) and does not wait for them; then for each slot in turn the
+    executor waits for that slot's entry alone and computes the slot's nodes, so the first slots
+    compute while the later ones are read. The tokens are the unlimited run's."""
+    from ggml_graph_spec.memory.experts import ExpertCache
+    from ggml_graph_spec.memory.streaming import StreamingExecutor
+    events, place, ready, compute = [], ExpertCache.place, ExpertCache.ready, StreamingExecutor._compute
+
+    def placing(self, *a, **kw):
+        entries = place(self, *a, **kw)
+        events.append(("place", None if entries is None else entries.tolist(), kw.get("settle", True)))
+        return entries
+
+    def waiting(self, entries):
+        events.append(("ready", sorted(set(entries.tolist()))))
+        return ready(self, entries)
+
+    def computing(self, g, i0, i1):
+        if events and events[-1][0] != "compute":
+            events.append(("compute",))
+        return compute(self, g, i0, i1)
+
+    monkeypatch.setattr(ExpertCache, "place", placing)
+    monkeypatch.setattr(ExpertCache, "ready", waiting)
+    monkeypatch.setattr(StreamingExecutor, "_compute", computing)
+    used: list[int] = []
+    _decode_at_half(pitched_gguf, 3, after_prompt=lambda m: events.clear(),
+                    at_end=lambda m: used.append(m.cfg.num_experts_used))
+    k = used[0]
+    starts = [i for i, e in enumerate(events) if e[0] == "place"]
+    assert starts and all(events[i][1] is not None and events[i][2] is False for i in starts), events[:3]
+    for i in starts:
+        entries, after = events[i][1], events[i + 1:i + 1 + 2 * k + 1]
+        want = [x for j in range(k) for x in (("ready", [entries[j]]), ("compute",))] + [("ready", sorted(entries))]
+        assert after == want, (entries, after)

@@ -268,3 +268,35 @@ def test_latent_moe(cfg, exe, exact):
     finally:
         cache.free()
         L.free()
+
+
+@pytest.mark.parametrize("n_tokens", [1, 7])
+def test_routed_experts_by_slot_are_the_batched_ones_bit_for_bit(cfg, exe, n_tokens):
+    """The fast path's routed experts one slot at a time (what a memory budget's executor runs,
+    moe._routed_experts_by_slot) give exactly the batched mul_mat_id's values, for one token and
+    for a batch whose tokens share experts in different slots."""
+    from ggml_graph_spec.blocks.moe import _routed_experts, _routed_experts_by_slot
+    from ggml_graph_spec.graph import I32
+    from gguf_arch.arch.tensors import FFN_DOWN_EXPS, FFN_GATE_EXPS, FFN_UP_EXPS
+    L = RandomLayer(cfg, cfg.moe_layers[0], exe, seed=6)
+    cache = SequenceCache(cfg, exe.backend, n_ctx=16, exact=False, with_indexer=False)
+    rng = np.random.default_rng(7)
+    k, E = cfg.num_experts_used, cfg.num_experts
+    ids = np.stack([rng.permutation(min(E, k + 2))[:k] for _ in range(n_tokens)]).astype(np.int32)  # shared experts
+    z = rng.standard_normal((n_tokens, cfg.latent_size)).astype(np.float32)
+    stacks = [L.w(n) for n in (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)]
+
+    def routed(by_slot: bool):
+        def build(g, zt):
+            it = g.input("ids", I32, (k, n_tokens), ids)
+            return _routed_experts_by_slot(g, zt, it, stacks) if by_slot else _routed_experts(g, L.w, zt, it)
+        cache.n_past = 0
+        return run_block(exe, cfg, cache, build, [z], exact=False)
+    try:
+        batched, by_slot = routed(False), routed(True)
+        assert batched.shape == by_slot.shape and batched.size == n_tokens * k * cfg.latent_size
+        assert np.array_equal(batched, by_slot)
+        assert np.abs(batched).max() > 0
+    finally:
+        cache.free()
+        L.free()
