@@ -339,9 +339,7 @@ class StreamingExecutor(Executor):
     def _run_moe(self, g: GraphBuild, scan: tuple, layer: int, b: _Bound, run: tuple[int, int]) -> int:
         """The layer up to its router's ids; the selected experts brought in, and while the missed
         ones are read the nodes up to the expert matmuls (the shared experts: blocks/moe.py builds
-        them there); then the rest, where the graph has one slot's experts at a time
-        (moe._routed_experts_by_slot) each slot as soon as its experts are in: the missed ones
-        are read in slot order, so the first slots compute while the later ones are read."""
+        them there); then the rest (_run_experts)."""
         (views, nodes), (i0, i1) = scan, run
         split = _first_reader(nodes, b.reads(), i0, i1)
         routed = nodes.index(ctypes.addressof(b.ids.contents), i0, split) + 1
@@ -349,9 +347,8 @@ class StreamingExecutor(Executor):
         if status != ggml.GGML_STATUS_SUCCESS:
             return status
         ids = self.read(b.ids).astype(np.int32)  # [T, k]
-        by_slot = ids.T.ravel()  # slot 0 of every token, then slot 1, ...
-        experts, first, inverse = np.unique(by_slot, return_index=True, return_inverse=True)
-        order = np.argsort(first)  # the distinct experts in slot order
+        experts, first, inverse = np.unique(ids.T.ravel(), return_index=True, return_inverse=True)  # slot-major
+        order = np.argsort(first)  # the distinct experts in slot order: the misses are read in it
         self._score(layer, experts)
         meanwhile = []
         entries = self.cache.place(layer, self.files.experts[layer], experts[order], self._guess(self._ahead.get(layer)),
@@ -369,19 +366,30 @@ class StreamingExecutor(Executor):
             value = held[inverse].reshape(ids.shape[::-1]).T
         value = np.ascontiguousarray(value, dtype=np.int32)
         ggml.ggml_backend_tensor_set(b.slots, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
+        status = self._run_experts(g, nodes, b, (split, i1), None if entries is None else value)
+        if entries is None:
+            self._whole(layer)
+        return status
+
+    def _run_experts(self, g: GraphBuild, nodes: list[int], b: _Bound, run: tuple[int, int],
+                     entries: np.ndarray | None) -> int:
+        """Nodes run[0]..run[1], from the routed experts on. Where the graph has one slot's
+        experts at a time (moe._routed_experts_by_slot), each slot as soon as its own `entries`
+        (the cache's, [T, k]) are in, the first slots computing while the later ones are read;
+        else (the exact path's batched experts, or the mapped stacks: `entries` None) after all."""
+        split, i1 = run
         starts = _slot_starts(nodes, b.slots, split, i1)
-        if entries is None or len(starts) != value.shape[1]:
-            starts = [split]  # the experts batched (the exact path): all of them first
+        if entries is None or len(starts) != entries.shape[1]:
+            starts = [split]
+        status = ggml.GGML_STATUS_SUCCESS
         for j, (a, z) in enumerate(zip(starts, [*starts[1:], i1])):
             if entries is not None:
-                self.cache.ready(value[:, j] if len(starts) > 1 else value.ravel())
+                self.cache.ready(entries[:, j] if len(starts) > 1 else entries.ravel())
             status = self._compute(g, a, z)
             if status != ggml.GGML_STATUS_SUCCESS:
                 break
         if entries is not None:
-            self.cache.ready(value.ravel())  # (a failed compute left some in flight)
-        if entries is None:
-            self._whole(layer)
+            self.cache.ready(entries.ravel())  # (a failed compute left some in flight)
         return status
 
     def _score(self, layer: int, experts: np.ndarray) -> None:
