@@ -76,7 +76,7 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
     t = weights.tensors
     p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type
     bank = ResidualBank()
-    first_moe = next((l for l in range(cfg.num_layers) if cfg.is_moe(l)), 0)
+    first_moe = cfg.moe_layers[0] if cfg.moe_layers else 0
     for l in range(cfg.num_layers):
         g.begin_segment(l)
         w = weights.layer(l)
