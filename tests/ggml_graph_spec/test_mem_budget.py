@@ -396,25 +396,30 @@ def _decode_at_half(gguf: Path, n: int, after_prompt=None, at_end=None) -> None:
     assert tokens[True] == tokens[False]
 
 
+def _srcs(t) -> list:
+    """t's sources (ggml_tensor_p), the ones it has."""
+    return [s for s in (t.contents.src[i] for i in range(ggml.GGML_MAX_SRC)) if s]
+
+
+def _name(t) -> str:
+    return ggml.ggml_get_name(t).decode()
+
+
 def _leaves(t, seen: set | None = None) -> set[str]:
     """The names of the tensors no op computes (weights, inputs) that t is computed from."""
     seen = set() if seen is None else seen
     if not t or ctypes.addressof(t.contents) in seen:
         return set()
     seen.add(ctypes.addressof(t.contents))
-    c = t.contents
-    srcs = [c.src[i] for i in range(ggml.GGML_MAX_SRC)] + [c.view_src]
-    if c.op == ggml.GGML_OP_NONE and not c.view_src:
-        return {ggml.ggml_get_name(t).decode()}
-    return set().union(*(_leaves(s, seen) for s in srcs if s))
+    if t.contents.op == ggml.GGML_OP_NONE and not t.contents.view_src:
+        return {_name(t)}
+    return set().union(*(_leaves(s, seen) for s in [*_srcs(t), t.contents.view_src] if s))
 
 
 def _weight_layers(node) -> set:
     """The layers of the weights `node` reads directly (or through a view)."""
-    c = node.contents
-    srcs = [c.src[i] for i in range(ggml.GGML_MAX_SRC) if c.src[i]]
-    leaves = [s.contents.view_src or s for s in srcs]
-    return {gguf_layer(ggml.ggml_get_name(t).decode()) for t in leaves if t.contents.op == ggml.GGML_OP_NONE}
+    leaves = [s.contents.view_src or s for s in _srcs(node)]
+    return {gguf_layer(_name(t)) for t in leaves if t.contents.op == ggml.GGML_OP_NONE}
 
 
 @pytest.mark.parametrize("dense", [1, 2])
@@ -465,14 +470,8 @@ def test_the_first_moe_layer_is_predicted_from_the_embedding(tmp_path, monkeypat
 
 def _sources(g, i0: int, i1: int) -> tuple[set[str], set[int]]:
     """The names (of the viewed tensor, for a view) and addresses of nodes i0..i1's sources."""
-    names, addresses = set(), set()
-    for i in range(i0, i1):
-        n = ggml.ggml_graph_node(g.gf, i).contents
-        for s in (n.src[j] for j in range(ggml.GGML_MAX_SRC)):
-            if s:
-                names.add(ggml.ggml_get_name(s.contents.view_src or s).decode())
-                addresses.add(ctypes.addressof(s.contents))
-    return names, addresses
+    srcs = [s for i in range(i0, i1) for s in _srcs(ggml.ggml_graph_node(g.gf, i))]
+    return {_name(s.contents.view_src or s) for s in srcs}, {ctypes.addressof(s.contents) for s in srcs}
 
 
 def test_the_shared_experts_compute_while_the_missed_experts_are_read(pitched_gguf, monkeypatch):
