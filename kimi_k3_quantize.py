@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ggml_graph_spec.loader import load_gguf
+from ggml_graph_spec.weights.loader import load_gguf
 from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
 from gguf_arch.errors import GGUFError, run_cli
 from gguf_arch.io.console import ArgumentParser

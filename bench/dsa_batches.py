@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.graph import TOP_K_FRACTION, fill_caches  # noqa: E402
-from ggml_graph_spec.model import Model  # noqa: E402
+from ggml_graph_spec.engine.model import Model  # noqa: E402
 
 PATHS = ("masked", "gather")
 

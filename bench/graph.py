@@ -117,7 +117,7 @@ def _speed(load, eval_tokens, reset, a: argparse.Namespace) -> dict:
 def child_ours(a: argparse.Namespace) -> dict:
     import ggml
 
-    from ggml_graph_spec.model import Model
+    from ggml_graph_spec.engine.model import Model
     repack = False if a.child == "ours-mapped" else None  # None: the default (repack.choose_repack)
     loaded = []
 
@@ -163,7 +163,7 @@ def _attention_graph(g, n: int, top_k: int | None, path: str, rng):
     import numpy as np
 
     from ggml_graph_spec.blocks import mla
-    from ggml_graph_spec.graph import F16, F32
+    from ggml_graph_spec.graph.build import F16, F32
     cfg = g.cfg
     d, h = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_heads
     kv = g.input("kv", F32 if g.exact else F16, (d, n), rng.standard_normal((n, d), dtype=np.float32))
@@ -187,7 +187,7 @@ def attention_kernel(m, n: int, top_k: int | None, path: str, exact: bool, rng) 
     kernel itself)."""
     from functools import partial
 
-    from ggml_graph_spec.graph import GraphBuild
+    from ggml_graph_spec.graph.build import GraphBuild
     m.cache.n_past = n - 1
     make = partial(GraphBuild, cfg=m.cfg, cache=m.cache, n_tokens=1, exact=exact, top_k=top_k,
                    dsa_path="masked" if path == "dense" else path)
@@ -248,7 +248,7 @@ def kernel_times(models: dict, contexts: list[int]) -> dict:
 def child_contexts(a: argparse.Namespace) -> dict:
     import numpy as np
 
-    from ggml_graph_spec.model import Model
+    from ggml_graph_spec.engine.model import Model
     rng = np.random.default_rng(0)
     n_ctx = max(a.contexts) + 1
 
@@ -291,7 +291,7 @@ def child_ops(a: argparse.Namespace) -> dict:
     import numpy as np
 
     from bench import op_profile
-    from ggml_graph_spec.model import Model
+    from ggml_graph_spec.engine.model import Model
     rng = np.random.default_rng(0)
     out: dict = {"threads": 1, "clock": "thread CPU time", "runs": OP_PROFILE_RUNS, "contexts": a.contexts}
     models = {p: Model.load(a.gguf, n_ctx=max(a.contexts) + 1, n_threads=1, dsa_path=p, repack=False)

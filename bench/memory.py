@@ -26,7 +26,7 @@ ratio_to_replayed_reads = s/token / that time: this disk's sustained speed on th
 runner makes, where a 256 MB read-speed probe catches its bursts (0.3-1.9 GB/s here within minutes). The compute alone (warm_compute_s_per_token: unlimited, the GGUF read into the
 page cache first) is the floor under every s/token. Also a projection for the real K3.1-Pro from the issue's
 sizes: whole layers streamed (every expert of a streamed layer read) against the plan of
-memory/budget.py (trunks pinned first, the selected experts read into an expert cache; misses
+backends/streaming/budget.py (trunks pinned first, the selected experts read into an expert cache; misses
 predicted as if every expert were equally likely). Results in bench/results/memory.json and
 bench/results/memory.png (with matplotlib, the bench extra).
 """
@@ -47,17 +47,17 @@ sys.path.insert(0, str(ROOT))
 
 import convert_kimi_k3  # noqa: E402
 from gguf_arch.synth.cli import main as synth_main  # noqa: E402
-from ggml_graph_spec.memory.budget import ExpertSizes, plan_budget  # noqa: E402
-from ggml_graph_spec.memory.doctor import read_speed  # noqa: E402
+from ggml_graph_spec.backends.streaming.budget import ExpertSizes, plan_budget  # noqa: E402
+from ggml_graph_spec.tools.doctor import read_speed  # noqa: E402
 from gguf_arch.io.direct_io import open_direct, scratch  # noqa: E402
-from ggml_graph_spec.loader import load_gguf  # noqa: E402
-from ggml_graph_spec.memory.experts import READERS, EXPERT_REQUEST, read_range  # noqa: E402
-from ggml_graph_spec.memory.streaming import LayerFiles  # noqa: E402
+from ggml_graph_spec.weights.loader import load_gguf  # noqa: E402
+from ggml_graph_spec.backends.streaming.experts import READERS, EXPERT_REQUEST, read_range  # noqa: E402
+from ggml_graph_spec.backends.streaming.layer_files import LayerFiles  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
 CHILD = """
 import json, sys, time, numpy as np
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 def io():
     return int([l for l in open("/proc/self/io") if l.startswith("read_bytes")][0].split()[1])
 m = Model.load(sys.argv[1], n_ctx=128, n_threads=int(sys.argv[4]),

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import ggml
 
-from ggml_graph_spec.graph import Executor
+from ggml_graph_spec.backends.cpu import Executor
 
 
 def _profiled_run(records: list):

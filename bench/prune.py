@@ -37,9 +37,9 @@ sys.path.insert(0, str(REPO))
 
 from gguf_arch.convert.run import convert  # noqa: E402
 from gguf_arch.io.saliency import read_saliency  # noqa: E402
-from ggml_graph_spec.prune import RANKS, SourceGGUF, plan_from_saliency, prune_gguf, ranked_by  # noqa: E402
-from ggml_graph_spec.calibrate import main as calibrate  # noqa: E402
-from ggml_graph_spec.model import Model  # noqa: E402
+from ggml_graph_spec.tools.prune import RANKS, SourceGGUF, plan_from_saliency, prune_gguf, ranked_by  # noqa: E402
+from ggml_graph_spec.tools.calibrate import main as calibrate  # noqa: E402
+from ggml_graph_spec.engine.model import Model  # noqa: E402
 from tests.support.paths import CODE, K31PRO_TINY, PROSE  # noqa: E402
 
 CHUNK = 64

@@ -50,12 +50,13 @@ sys.path.insert(0, str(REPO))
 
 from gguf_arch.arch.config import parse_config  # noqa: E402
 from gguf_arch.arch.tensors import OUT_F32, OUT_MXFP4, TOKEN_EMBD, plan_tensors  # noqa: E402
-from ggml_graph_spec.cache import CONV_INPUTS, SequenceCache  # noqa: E402
-from ggml_graph_spec.graph import I32, GraphBuild  # noqa: E402
-from ggml_graph_spec.loader import GGUFWeights  # noqa: E402
-from ggml_graph_spec.model import Model, _graph_size, build_forward  # noqa: E402
-from ggml_graph_spec.placement import INPUT_SEGMENT, OUTPUT_SEGMENT, Placement  # noqa: E402
-from ggml_graph_spec.sched import _VIEW_OPS  # noqa: E402
+from ggml_graph_spec.graph.cache import CONV_INPUTS, SequenceCache  # noqa: E402
+from ggml_graph_spec.graph.build import I32, GraphBuild  # noqa: E402
+from ggml_graph_spec.weights.loader import GGUFWeights  # noqa: E402
+from ggml_graph_spec.blocks.forward import build_forward, graph_size  # noqa: E402
+from ggml_graph_spec.engine.model import Model  # noqa: E402
+from ggml_graph_spec.graph.placement import INPUT_SEGMENT, OUTPUT_SEGMENT, Placement  # noqa: E402
+from ggml_graph_spec.backends.sched import _VIEW_OPS  # noqa: E402
 from tests.support.rpc_servers import Proxy, RpcServers  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -223,7 +224,7 @@ def traffic_per_token(weights: GGUFWeights, placement: Placement, cache: Sequenc
     SET_TENSOR, per tensor leaving one a GET_TENSOR (a round trip), and the logits."""
     cfg = weights.cfg
     saved, cache.n_past = cache.n_past, n_past
-    n_nodes = _graph_size(weights)
+    n_nodes = graph_size(weights)
     ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * n_nodes * 2
                                                + ggml.ggml_graph_overhead_custom(n_nodes, False),
                                                mem_buffer=None, no_alloc=True))

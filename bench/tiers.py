@@ -49,8 +49,8 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 import convert_kimi_k3  # noqa: E402
 import kimi_k3_quantize  # noqa: E402
-from ggml_graph_spec.model import Model  # noqa: E402
-from ggml_graph_spec.tokenizer import BPETokenizer  # noqa: E402
+from ggml_graph_spec.engine.model import Model  # noqa: E402
+from ggml_graph_spec.text.tokenizer import BPETokenizer  # noqa: E402
 from gguf_arch.synth import cli as synth  # noqa: E402
 from quant_rules import llama_quantize  # noqa: E402
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES, NEEDS_IMATRIX  # noqa: E402

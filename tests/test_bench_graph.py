@@ -8,7 +8,7 @@ import numpy as np
 
 from bench import op_profile
 from bench.graph import CPU_FLAGS, cpu_features, plot
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 
 from tests.support.reference import N_CTX, load_reference
 

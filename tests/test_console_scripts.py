@@ -26,8 +26,8 @@ TOOLS = {
     "kimi-k3-diff": [sys.executable, "-m", "gguf_arch.verify.diff"],
     "kimi-k3-cli": [sys.executable, "-m", "ggml_graph_spec"],
     "kimi-k3-quantize": [sys.executable, str(REPO / "kimi_k3_quantize.py")],
-    "kimi-k3-rpc-server": [sys.executable, "-m", "ggml_graph_spec.rpc_server"],
-    "kimi-k3-doctor": [sys.executable, "-m", "ggml_graph_spec.memory.doctor"],
+    "kimi-k3-rpc-server": [sys.executable, "-m", "ggml_graph_spec.tools.rpc_server"],
+    "kimi-k3-doctor": [sys.executable, "-m", "ggml_graph_spec.tools.doctor"],
 }
 
 

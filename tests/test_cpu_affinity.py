@@ -19,8 +19,8 @@ seen = []
 real = ggml.ggml_backend_cpu_set_n_threads
 ggml.ggml_backend_cpu_set_n_threads = lambda backend, n: (seen.append(n), real(backend, n))[1]
 from gguf_arch.arch import transforms
-from ggml_graph_spec import rpc_server
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.tools import rpc_server
+from ggml_graph_spec.engine.model import Model
 m = Model.load(sys.argv[1], n_ctx=16)
 m.close()
 print(os.cpu_count(), transforms.REPACK_AHEAD, sorted(set(seen)))
@@ -45,7 +45,7 @@ def test_the_rpc_server_default_follows_the_affinity_mask():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     one = {min(os.sched_getaffinity(0))}
-    p = subprocess.Popen([sys.executable, "-m", "ggml_graph_spec.rpc_server", "--port", str(port)],
+    p = subprocess.Popen([sys.executable, "-m", "ggml_graph_spec.tools.rpc_server", "--port", str(port)],
                          env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: os.sched_setaffinity(0, one))
     try:

@@ -8,7 +8,12 @@ included).
   never loads the verifier;
 * quant_rules sits between arch and convert: it never imports the converter (nor verify, synth),
   and nothing below convert imports quant_rules;
-* gguf_arch holds at most 8 modules at its top level; no function is longer than 50 lines;
+* ggml_graph_spec's layers, lowest first: text | weights < graph < blocks | backends < engine <
+  generation < runner | server | tools; a lower layer never imports a higher one, siblings never
+  import one another, and nothing in ggml_graph_spec imports the converter (README's "Layout",
+  docs/architecture.md);
+* gguf_arch and ggml_graph_spec hold at most 8 modules at their top level; no function is longer
+  than 50 lines, no package module longer than 400;
 * GGUF tensor names are spelled in at most three package modules (the tensor table's module
   first among them).
 """
@@ -25,13 +30,21 @@ from tests.support.source import (find_cycle, import_graph, package_modules, pro
 GGUF_LAYERS = {"gguf_arch.errors": 0, "gguf_arch.io": 1, "gguf_arch.arch": 2,
                "gguf_arch.convert": 3, "gguf_arch.verify": 3, "gguf_arch.synth": 3}
 TOP_LAYER = 3
+# ggml_graph_spec's layers, lowest first (same rule: a module imports only layers below its own).
+GRAPH_LAYERS = {"ggml_graph_spec.text": 0, "ggml_graph_spec.weights": 0, "ggml_graph_spec.graph": 1,
+                "ggml_graph_spec.blocks": 2, "ggml_graph_spec.vision": 2, "ggml_graph_spec.backends": 2,
+                "ggml_graph_spec.engine": 3, "ggml_graph_spec.generation": 4, "ggml_graph_spec.runner": 5,
+                "ggml_graph_spec.server": 5, "ggml_graph_spec.tools": 5}
+# Entry points that only start the runner: above every layer.
+GRAPH_ENTRY = {"ggml_graph_spec", "ggml_graph_spec.__main__"}
 MAX_TOP_LEVEL_MODULES = 8
 MAX_FUNCTION_LINES = 50
+MAX_MODULE_LINES = 400
 MAX_MODULES_WITH_TENSOR_NAMES = 3
 
 
-def _layer_of(name: str) -> str | None:
-    hits = [p for p in GGUF_LAYERS if name == p or name.startswith(p + ".")]
+def _layer_of(name: str, layers: dict[str, int] = GGUF_LAYERS) -> str | None:
+    hits = [p for p in layers if name == p or name.startswith(p + ".")]
     return max(hits, key=len) if hits else None
 
 
@@ -73,10 +86,53 @@ def test_quant_rules_and_the_runner_never_import_the_converter():
     assert not bad, "\n".join(bad)
 
 
-def test_gguf_arch_top_level_is_small():
-    top = [m.name for m in project_modules().values()
-           if m.name.startswith("gguf_arch.") and m.name.count(".") == 1 and not m.is_package]
-    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at gguf_arch's top level: {sorted(top)}"
+def graph_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """What breaks ggml_graph_spec's layer order in an import graph (module -> modules it imports)."""
+    bad = []
+    for name, targets in graph.items():
+        if not name.startswith("ggml_graph_spec") or name in GRAPH_ENTRY:
+            continue
+        mine = _layer_of(name, GRAPH_LAYERS)
+        if mine is None:
+            bad.append(f"{name} is in no layer of ggml_graph_spec ({', '.join(GRAPH_LAYERS)})")
+            continue
+        for t in sorted(targets):
+            theirs = _layer_of(t, GRAPH_LAYERS)
+            if t.startswith("ggml_graph_spec") and theirs is None and t not in GRAPH_ENTRY:
+                bad.append(f"{name} -> {t} (not in a layer)")
+            elif t in GRAPH_ENTRY:
+                bad.append(f"{name} -> {t} (the package's entry point is above every layer)")
+            elif theirs is not None and theirs != mine and GRAPH_LAYERS[theirs] >= GRAPH_LAYERS[mine]:
+                bad.append(f"{name} -> {t} ({theirs} is not below {mine})")
+    return bad
+
+
+def test_ggml_graph_spec_layers_import_only_downwards():
+    bad = graph_layer_violations(import_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_graph_layer_check_catches_an_upward_import():
+    """The rule itself: an engine module importing the runner, a block importing a backend and a
+    module outside every layer are each reported (the flat layout before the engine had all three)."""
+    seeded = {"ggml_graph_spec.engine.model": {"ggml_graph_spec.runner.cli"},
+              "ggml_graph_spec.blocks.mla": {"ggml_graph_spec.backends.cpu"},
+              "ggml_graph_spec.cache": set()}
+    bad = graph_layer_violations(seeded)
+    assert len(bad) == 3, bad
+
+
+def test_top_levels_are_small():
+    for pkg in ("gguf_arch", "ggml_graph_spec"):
+        top = [m.name for m in project_modules().values()
+               if m.name.startswith(pkg + ".") and m.name.count(".") == 1 and not m.is_package]
+        assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at {pkg}'s top level: {sorted(top)}"
+
+
+def test_no_package_module_is_longer_than_400_lines():
+    long = [f"{m.name}: {n} lines" for m in package_modules()
+            if (n := len(m.path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    assert not long, "\n".join(long)
 
 
 def test_no_function_is_longer_than_50_lines():

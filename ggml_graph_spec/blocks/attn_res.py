@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import ggml
 
-from ..graph import GraphBuild, Tensor
+from ..graph.build import GraphBuild, Tensor
 
 
 @dataclass

@@ -13,8 +13,8 @@ import ggml
 
 from gguf_arch.arch.tensors import INDEXER_K, INDEXER_K_NORM, INDEXER_K_NORM_BIAS, INDEXER_PROJ, INDEXER_Q_B
 
-from ..graph import GraphBuild, Tensor
-from ..loader import LayerWeights
+from ..graph.build import GraphBuild, Tensor
+from ..weights.loader import LayerWeights
 
 KEY_NORM_EPS = 1e-6  # the indexer key LayerNorm (DeepSeek-V3.2 default, kept by the contract)
 

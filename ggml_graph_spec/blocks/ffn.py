@@ -8,8 +8,8 @@ import ggml
 
 from gguf_arch.arch.tensors import FFN_DOWN, FFN_GATE, FFN_NORM, FFN_UP
 
-from ..graph import GraphBuild, Tensor
-from ..loader import LayerWeights
+from ..graph.build import GraphBuild, Tensor
+from ..weights.loader import LayerWeights
 
 
 def ffn_norm(g: GraphBuild, w: LayerWeights, y: Tensor) -> Tensor:

@@ -11,8 +11,8 @@ import ggml
 from gguf_arch.arch.tensors import (ATTN_K, ATTN_OUTPUT, ATTN_Q, ATTN_V, SSM_A, SSM_BETA, SSM_CONV1D, SSM_DT,
                                     SSM_F_A, SSM_F_B, SSM_G, SSM_NORM)
 
-from ..graph import GraphBuild, Tensor
-from ..loader import LayerWeights
+from ..graph.build import GraphBuild, Tensor
+from ..weights.loader import LayerWeights
 
 def _l2_norm_heads(g: GraphBuild, x: Tensor, head_dim: int) -> Tensor:
     """x / sqrt(sum(x^2) + eps) per head, as rms_norm(x, eps/d) / sqrt(d) (same value exactly).

@@ -21,8 +21,8 @@ from gguf_arch.arch.tensors import (ATTN_GATE, ATTN_KV_A_MQA, ATTN_KV_A_NORM, AT
                                     ATTN_Q_A, ATTN_Q_A_NORM, ATTN_Q_B, ATTN_V_B)
 
 from . import dsa
-from ..graph import GraphBuild, Tensor
-from ..loader import LayerWeights
+from ..graph.build import GraphBuild, Tensor
+from ..weights.loader import LayerWeights
 
 _F16 = ggml.GGML_TYPE_F16
 

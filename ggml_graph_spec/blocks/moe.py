@@ -13,9 +13,9 @@ from gguf_arch.arch.tensors import (EXP_PROBS_B, FFN_DOWN_EXPS, FFN_DOWN_SHEXP, 
                                     FFN_GATE_SHEXP, FFN_ROUTED_DOWN, FFN_ROUTED_NORM, FFN_ROUTED_UP,
                                     FFN_UP_EXPS, FFN_UP_SHEXP, layer_name)
 
-from .. import taps
-from ..graph import I32, GraphBuild, Tensor
-from ..loader import LayerWeights
+from ..graph import taps
+from ..graph.build import I32, GraphBuild, Tensor
+from ..weights.loader import LayerWeights
 from .ffn import ffn_norm, situ, situ_mlp
 
 
@@ -53,7 +53,7 @@ def predict_experts(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """Layer w's router applied to another layer's FFN input x ([n_embd, T], before the norm):
     the experts w's layer would select for x, I32 [k, T], the likeliest first (ggml_top_k's ids
     come in no order: a full descending argsort, cut to k). A memory budget's executor reads them
-    early, the likeliest first (memory/streaming.py); the ids the layer uses are always its own
+    early, the likeliest first (backends/streaming/executor.py); the ids the layer uses are always its own
     router's."""
     c = g.ctx
     order = ggml.ggml_argsort(c, _scores(g, w, ffn_norm(g, w, x))[1], ggml.GGML_SORT_ORDER_DESC)  # [E, T]
@@ -103,7 +103,7 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
     c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
     names = (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)
     routed_ids, stacks = ids, [w(n) for n in names]
-    if g.bind_experts is not None:  # a memory budget's executor places the experts (memory/streaming.py)
+    if g.bind_experts is not None:  # a memory budget's executor places the experts (backends/streaming/executor.py)
         ids, stacks = g.bind_experts(g, w.layer, ids, stacks)
         if ids is not routed_ids and not g.exact and not g.wants(taps.IMATRIX):
             return _routed_experts_by_slot(g, z, ids, stacks)
@@ -125,7 +125,7 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
 def _routed_experts_by_slot(g: GraphBuild, z: Tensor, ids: Tensor, stacks: list[Tensor]) -> Tensor:
     """_routed_experts' fast path one slot (j-th selected expert of every token) at a time, each
     slot's nodes together, their outputs joined: [L, k, T]. For an executor that reads experts
-    while the slots whose experts it holds compute (memory/streaming.py). The values are the
+    while the slots whose experts it holds compute (backends/streaming/executor.py). The values are the
     batched matmuls': mul_mat_id computes each (expert, token) row on its own."""
     c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
     z3 = ggml.ggml_reshape_3d(c, z, z.contents.ne[0], 1, T)
@@ -143,7 +143,7 @@ def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     ids, weights = _route(g, w, x)
     # Made (so computed) after the router and before the routed experts: a memory budget's
-    # executor computes these while the selected experts it misses are read (memory/streaming.py)
+    # executor computes these while the selected experts it misses are read (backends/streaming/executor.py)
     z = g.mm(w(FFN_ROUTED_DOWN), x)  # [L, T]
     shared = situ_mlp(g, x, w(FFN_GATE_SHEXP), w(FFN_UP_SHEXP), w(FFN_DOWN_SHEXP))
     outputs = _routed_experts(g, w, z, ids)  # [L, k, T]

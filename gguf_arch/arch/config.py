@@ -1,153 +1,25 @@
-"""Strict reader for the Kimi K3 / K3.1-Pro `config.json`, with its fields as one table.
+"""Strict reader for the Kimi K3 / K3.1-Pro `config.json`, by the field table of config_fields.py.
 
 The released file is a multimodal wrapper: the text model's fields live in `text_config`, and
 `quantization_config` lives only inside `text_config`. Generation boilerplate that sits beside the
 architecture fields (`top_k: 50`, `max_length: 20`, the derived `head_dim`) is never read: only
-the rows of `FIELDS` are architecture. Each row names one HF field once: where it sits, its type,
-the K3Config field it fills, its range and, where Kimi K3 allows one value only, that value. The
-GGUF reader checks the same ranges on a K3Config read back from a file (`range_problems`; the GGUF
-key of each field is in `keys.py`).
+the rows of `FIELDS` are architecture. The GGUF reader checks the same ranges on a K3Config read
+back from a file (`range_problems`; the GGUF key of each field is in `keys.py`).
 
 Layer lists in the file are 1-based; everything this module returns is 0-based.
 """
 from __future__ import annotations
 
-import math
 from itertools import islice
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFValueType as T
-
 from ..errors import ConfigError
-from ..io.gguf_values import describe
-from ..io.gguf_values import problem as value_problem
 from ..io.jsonfile import read_json
 from .mxfp4 import BLOCK
-
-TOP_LEVEL_ARCH = "KimiK3ForConditionalGeneration"
-MXFP4_FORMAT = "mxfp4-pack-quantized"
-
-_Int, _Float, _Bool, _Str, _List = "int", "float", "bool", "str", "list"
-TEXT = "text_config."
-KDA = "text_config.linear_attn_config."
-POSITIVE = "positive"  # ints >= 1, floats > 0 (SiTU divides by its betas)
-BLOCKS = "blocks"  # a positive multiple of the MXFP4 block
-_ANY = object()  # no fixed value
-
-
-@dataclass(frozen=True)
-class Field:
-    """One architecture field of config.json. Every one is required; all missing ones are
-    reported together."""
-
-    hf: str  # its name in its section
-    kind: str
-    attr: str | None = None  # the K3Config field it fills ("kda.head_dim"); None: only checked
-    rule: str | None = None  # POSITIVE or BLOCKS
-    fixed: Any = _ANY  # the one value the K3 graph hard-wires; another describes another model
-    section: str = TEXT
-
-    @property
-    def where(self) -> str:
-        return self.section + self.hf
-
-
-def _kda(hf: str, kind: str, attr: str | None = None, rule: str | None = None) -> Field:
-    return Field(hf, kind, attr, rule, section=KDA)
-
-
-FIELDS: tuple[Field, ...] = (
-    Field("vocab_size", _Int, "vocab_size", POSITIVE),
-    Field("hidden_size", _Int, "hidden_size", POSITIVE),
-    Field("num_hidden_layers", _Int, "num_layers", POSITIVE),
-    Field("num_attention_heads", _Int, "num_heads", POSITIVE),
-    Field("num_key_value_heads", _Int),
-    Field("intermediate_size", _Int, "intermediate_size", POSITIVE),
-    Field("moe_intermediate_size", _Int, "moe_intermediate_size", BLOCKS),
-    Field("num_experts", _Int, "num_experts", POSITIVE),
-    Field("num_experts_per_token", _Int, "num_experts_used", POSITIVE),
-    Field("num_shared_experts", _Int, "num_shared_experts"),
-    Field("first_k_dense_replace", _Int, "first_k_dense_replace"),
-    Field("moe_layer_freq", _Int, "moe_layer_freq", POSITIVE),
-    Field("routed_expert_hidden_size", _Int, "latent_size", BLOCKS),
-    Field("latent_moe_use_norm", _Bool, "latent_moe_use_norm"),
-    Field("moe_router_activation_func", _Str, fixed="sigmoid"),
-    Field("moe_renormalize", _Bool, "moe_renormalize"),
-    Field("routed_scaling_factor", _Float, "routed_scaling_factor"),
-    Field("topk_method", _Str),
-    Field("num_expert_group", _Int, fixed=1),
-    Field("topk_group", _Int, "topk_group"),
-    Field("q_lora_rank", _Int, "q_lora_rank", POSITIVE),
-    Field("kv_lora_rank", _Int, "kv_lora_rank", POSITIVE),
-    Field("qk_nope_head_dim", _Int, "qk_nope_head_dim", POSITIVE),
-    Field("qk_rope_head_dim", _Int, "qk_rope_head_dim"),
-    Field("v_head_dim", _Int, "v_head_dim", POSITIVE),
-    Field("mla_use_nope", _Bool, fixed=True),
-    Field("mla_use_output_gate", _Bool, fixed=True),
-    Field("hidden_act", _Str, fixed="situ"),
-    Field("activation_situ_beta", _Float, "situ_beta", POSITIVE),
-    Field("activation_situ_linear_beta", _Float, "situ_linear_beta", POSITIVE),
-    Field("attn_res_block_size", _Int, "attn_res_block_size", POSITIVE),
-    Field("rms_norm_eps", _Float, "rms_norm_eps", POSITIVE),
-    Field("max_position_embeddings", _Int, "context_length", POSITIVE),
-    Field("num_nextn_predict_layers", _Int, fixed=0),
-    Field("tie_word_embeddings", _Bool, fixed=False),
-    Field("bos_token_id", _Int, "bos_token_id"),
-    Field("eos_token_id", _Int, "eos_token_id"),
-    Field("pad_token_id", _Int, "pad_token_id"),
-    _kda("num_heads", _Int, "kda.num_heads", POSITIVE),
-    _kda("head_dim", _Int, "kda.head_dim", POSITIVE),
-    _kda("short_conv_kernel_size", _Int, "kda.conv_kernel", POSITIVE),
-    Field("use_full_rank_gate", _Bool, fixed=True, section=KDA),  # one g_proj
-    _kda("gate_lower_bound", _Float, "kda.gate_lower_bound"),
-    _kda("kda_layers", _List, "kda.layers"),  # 1-based lists, read by _layer_kinds
-    _kda("full_attn_layers", _List, "mla_layers"),
-)
-_ROW = {f.attr: f for f in FIELDS if f.attr is not None}
-
-# K3.1-Pro's lightning indexer: the four come together or not at all.
-INDEX_FIELDS: tuple[Field, ...] = (
-    Field("index_n_heads", _Int, "indexer.n_heads", POSITIVE),
-    Field("index_head_dim", _Int, "indexer.head_dim", POSITIVE),
-    Field("index_topk", _Int, "indexer.top_k", POSITIVE),
-    Field("index_layers", _List, "indexer.layers"),
-)
-
-
-# What each kind becomes in the GGUF: every integer field of K3 is written as (or checked against)
-# a uint32 key, every float as a float32 one; a value that type cannot hold is refused here, with
-# the field's name, not as a struct.error while the header is packed.
-_GGUF_TYPE = {_Int: T.UINT32, _Float: T.FLOAT32}
-
-
-def _kind_text(kind: str) -> str:
-    return describe(_GGUF_TYPE[kind]) if kind in _GGUF_TYPE else kind
-
-
-def _type_ok(kind: str, value: Any) -> bool:
-    if kind in _GGUF_TYPE:
-        return value_problem(_GGUF_TYPE[kind], value) is None
-    if kind == _Bool:
-        return isinstance(value, bool)
-    if kind == _Str:
-        return isinstance(value, str)
-    return isinstance(value, list)
-
-
-def rule_problems(f: Field, value: Any) -> list[str]:
-    """What is wrong with `value` under the field's rule (nothing: an empty list)."""
-    if f.rule is None:
-        return []
-    if f.kind == _Float:
-        if not math.isfinite(value):
-            return [f"must be finite and > 0, got {value}"]
-        return [] if value > 0 else [f"must be > 0, got {value}"]
-    problems = [] if value >= 1 else [f"must be >= 1, got {value}"]
-    if f.rule == BLOCKS and value % BLOCK:
-        problems.append(f"must be a multiple of {BLOCK} (MXFP4 blocks), got {value}")
-    return problems
+from .config_fields import (ANY, FIELDS, FLOAT, INDEX_FIELDS, INT, KDA, LIST, MXFP4_FORMAT, ROW, TEXT, Field,
+                            TOP_LEVEL_ARCH, kind_text, rule_problems, type_ok)
 
 
 @dataclass(frozen=True)
@@ -263,7 +135,7 @@ def range_problems(cfg: K3Config) -> list[tuple[str, str]]:
 
 
 def _one_based_layers(name: str, value: Any, n_layers: int, errors: list[str]) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(_type_ok(_Int, v) for v in value):
+    if not isinstance(value, list) or not all(type_ok(INT, v) for v in value):
         errors.append(f"{name} must be a list of integers (1-based layer numbers), got {value!r}")
         return ()
     bad = [v for v in value if not 1 <= v <= n_layers]
@@ -310,11 +182,11 @@ def _indexer(text: dict, n_layers: int, mla_layers: tuple[int, ...], errors: lis
     *counts, layers_row = INDEX_FIELDS
     for f in counts:
         v = text[f.hf]
-        if not _type_ok(f.kind, v) or v < 1:
+        if not type_ok(f.kind, v) or v < 1:
             errors.append(f"{f.where} must be an integer >= 1, got {v!r}")
     layers = _one_based_layers(layers_row.where, text[layers_row.hf], n_layers, errors)
     if set(layers) != set(mla_layers):  # a duplicate is reported by _one_based_layers, as such
-        full = _ROW["mla_layers"]
+        full = ROW["mla_layers"]
         errors.append(
             f"{layers_row.where} must equal {full.where.removeprefix(TEXT)} exactly; "
             f"only in {layers_row.hf}: {[l + 1 for l in sorted(set(layers) - set(mla_layers))]}, "
@@ -348,8 +220,8 @@ def _collect(t: dict, source: str) -> dict[Field, Any]:
         section = t if f.section == TEXT else kda
         if f.hf not in section:
             missing.append(f.where)
-        elif not _type_ok(f.kind, section[f.hf]):
-            wrong.append(f"{f.where} must be {_kind_text(f.kind)}, got {section[f.hf]!r}")
+        elif not type_ok(f.kind, section[f.hf]):
+            wrong.append(f"{f.where} must be {kind_text(f.kind)}, got {section[f.hf]!r}")
         else:
             got[f] = section[f.hf]
     if missing:
@@ -362,13 +234,13 @@ def _collect(t: dict, source: str) -> dict[Field, Any]:
 def _value_problems(got: dict[Field, Any]) -> list[str]:
     """Fixed values, ranges, and the checks that read two fields."""
     errors = [f"{f.where} must be {f.fixed!r} for Kimi K3, got {v!r}"
-              for f, v in got.items() if f.fixed is not _ANY and v != f.fixed]
+              for f, v in got.items() if f.fixed is not ANY and v != f.fixed]
     errors += [f"{f.where} {p}" for f, v in got.items() for p in rule_problems(f, v)]
-    used, experts = got[_ROW["num_experts_used"]], got[_ROW["num_experts"]]
+    used, experts = got[ROW["num_experts_used"]], got[ROW["num_experts"]]
     if used > experts:
-        errors.append(f"{_ROW['num_experts_used'].where} ({used}) exceeds {_ROW['num_experts'].hf} ({experts})")
-    if got[_ROW["kda.num_heads"]] > got[_ROW["kda.head_dim"]]:
-        errors.append(f"{_ROW['kda.num_heads'].where} must not exceed {_ROW['kda.head_dim'].hf} "
+        errors.append(f"{ROW['num_experts_used'].where} ({used}) exceeds {ROW['num_experts'].hf} ({experts})")
+    if got[ROW["kda.num_heads"]] > got[ROW["kda.head_dim"]]:
+        errors.append(f"{ROW['kda.num_heads'].where} must not exceed {ROW['kda.head_dim'].hf} "
                       "(A_log is stored as [head_dim] with the per-head values first)")
     return errors
 
@@ -378,8 +250,8 @@ _LISTED_LAYERS = 16  # uncovered layers named in the error; the rest counted
 
 def _layer_kinds(got: dict[Field, Any], errors: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(KDA layers, MLA layers), 0-based; every layer exactly one of the two."""
-    n = got[_ROW["num_layers"]]
-    kda_row, mla_row = _ROW["kda.layers"], _ROW["mla_layers"]
+    n = got[ROW["num_layers"]]
+    kda_row, mla_row = ROW["kda.layers"], ROW["mla_layers"]
     kda_layers = _one_based_layers(kda_row.where, got[kda_row], n, errors)
     mla_layers = _one_based_layers(mla_row.where, got[mla_row], n, errors)
     both = sorted(set(kda_layers) & set(mla_layers))
@@ -396,8 +268,8 @@ def _layer_kinds(got: dict[Field, Any], errors: list[str]) -> tuple[tuple[int, .
 
 def _build(got: dict[Field, Any], kda_layers: tuple[int, ...], mla_layers: tuple[int, ...], group: int,
            indexer: IndexerConfig | None) -> K3Config:
-    values = {f.attr: float(v) if f.kind == _Float else v for f, v in got.items()
-              if f.attr is not None and f.kind != _List}
+    values = {f.attr: float(v) if f.kind == FLOAT else v for f, v in got.items()
+              if f.attr is not None and f.kind != LIST}
     kda = KDAConfig(**{k.name: values["kda." + k.name] for k in fields(KDAConfig) if k.name != "layers"},
                     layers=kda_layers)
     top = {k: v for k, v in values.items() if not k.startswith("kda.")}
@@ -413,7 +285,7 @@ def parse_config(raw: dict, source: str = "config.json") -> K3Config:
     errors = _value_problems(got)
     kda_layers, mla_layers = _layer_kinds(got, errors)
     group = _mxfp4_group_size(t, errors)
-    indexer = _indexer(t, got[_ROW["num_layers"]], mla_layers, errors)
+    indexer = _indexer(t, got[ROW["num_layers"]], mla_layers, errors)
     if errors:
         raise ConfigError(f"{source}: {'; '.join(errors)}")
     return _build(got, kda_layers, mla_layers, group, indexer)

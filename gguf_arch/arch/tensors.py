@@ -245,7 +245,7 @@ TABLE: tuple[TensorSpec, ...] = (
 
 # The routed experts (stacked [n_expert, rows, cols]), and with the router's rows and bias every
 # tensor whose first axis (numpy order; the outermost ggml one) is the routed expert: what expert
-# pruning slices (ggml_graph_spec/prune.py), each expert one contiguous run of bytes.
+# pruning slices (ggml_graph_spec/tools/prune.py), each expert one contiguous run of bytes.
 ROUTED_EXPERTS = (FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS)
 PER_EXPERT = (FFN_GATE_INP, EXP_PROBS_B, *ROUTED_EXPERTS)
 

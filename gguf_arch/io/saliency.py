@@ -9,7 +9,7 @@ Lasby et al. 2025, eq. 9: the mean is over X_j, not over all tokens):
 g_j(x) is the routing weight the model multiplies e_j(x) by: the sigmoid score renormalised over
 the selected experts (`expert_weights_norm`), before the constant `expert_weights_scale`, which
 scales every expert alike. e_j(x) is the expert's output in the latent space, the
-[latent] vector ffn_down_exps writes for x (ggml_graph_spec/taps.py), see `NORM_SPACE`.
+[latent] vector ffn_down_exps writes for x (ggml_graph_spec/graph/taps.py), see `NORM_SPACE`.
 
 The file:
     {"format": FORMAT, "model": NAME, "expert_count": E, "chunk_size": C, "tokens": N,

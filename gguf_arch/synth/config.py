@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..arch.config import MXFP4_FORMAT
+from ..arch.config_fields import MXFP4_FORMAT
 from ..arch.mxfp4 import BLOCK
 
 # CLI key -> (section, field). Sections: text_config, its linear_attn_config, the K3.1-Pro

@@ -18,7 +18,7 @@ HANG_SECONDS = 60  # a tiny model loads and runs a token in well under a second
 
 def _outcome(path: str) -> dict:
     from gguf_arch.errors import KimiError
-    from ggml_graph_spec.model import Model
+    from ggml_graph_spec.engine.model import Model
     try:
         model = Model.load(path, n_ctx=4, n_threads=1)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which judges it

@@ -1,4 +1,4 @@
-"""kimi-k3-calibrate and the graph taps it reads (ggml_graph_spec/taps.py).
+"""kimi-k3-calibrate and the graph taps it reads (ggml_graph_spec/graph/taps.py).
 
 * the taps: against numpy on one MoE block (test_blocks' random layer, exact path), and absent
   from the graph unless a call asks for them;
@@ -19,14 +19,16 @@ import pytest
 from gguf import GGUFReader, Keys
 
 from gguf_arch.arch.tensors import ROUTED_EXPERTS, plan_tensors
-from ggml_graph_spec import taps
+from ggml_graph_spec.graph import taps
 from ggml_graph_spec.blocks.moe import build_moe
-from ggml_graph_spec.cache import SequenceCache
-from ggml_graph_spec.calibrate import chunks_of, main, parse_file_arg
-from ggml_graph_spec.graph import F32, I32, Executor, GraphBuild
-from ggml_graph_spec.loader import load_gguf
-from ggml_graph_spec.model import Model, build_forward
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.graph.cache import SequenceCache
+from ggml_graph_spec.tools.calibrate import chunks_of, main, parse_file_arg
+from ggml_graph_spec.backends.cpu import Executor
+from ggml_graph_spec.graph.build import F32, I32, GraphBuild
+from ggml_graph_spec.weights.loader import load_gguf
+from ggml_graph_spec.blocks.forward import build_forward
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 from tests.ggml_graph_spec.blocks.test_blocks import (RTOL, RandomLayer, cfg, np_rmsnorm,  # noqa: F401
                                                        np_sigmoid, np_situ)
 from tests.support.paths import CODE, PROSE

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
-from ggml_graph_spec.chat import ChatTemplate, Conversation, LineReader, ReplyFilter
-from ggml_graph_spec.generate import Interrupt, StopRules, Timings
-from ggml_graph_spec.model import Model
-from ggml_graph_spec.sampling import Sampler, SamplingParams
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.runner.chat import ChatTemplate, Conversation, LineReader, ReplyFilter
+from ggml_graph_spec.generation.generate import Interrupt, StopRules, Timings
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.generation.sampling import Sampler, SamplingParams
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 
 from tests.support.reference import LOGITS_ATOL
 

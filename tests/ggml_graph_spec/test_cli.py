@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from gguf_arch.errors import EXIT_BAD_INPUT
-from ggml_graph_spec.cli import main, parse_override_kv
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.runner.cli import main, parse_override_kv
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 from tests.support.paths import REPO
 
 PROMPT = "[BOS]The old woman sold honey in small"  # the fixtures' short prompt

@@ -15,11 +15,11 @@ import pytest
 
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
 from gguf_arch.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
-from ggml_graph_spec.chat import ChatTemplate, Conversation
-from ggml_graph_spec.generate import StopRules, Timings
-from ggml_graph_spec.model import Model
-from ggml_graph_spec.sampling import Sampler, SamplingParams
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.runner.chat import ChatTemplate, Conversation
+from ggml_graph_spec.generation.generate import StopRules, Timings
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.generation.sampling import Sampler, SamplingParams
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 
 from tests.support.cli import run_runner as cli
 from tests.support.paths import REPO

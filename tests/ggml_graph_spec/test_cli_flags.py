@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from gguf_arch.errors import EXIT_INTERRUPTED
-from ggml_graph_spec.cli import build_parser, run_mode
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.runner.cli import build_parser, run_mode
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 
 from tests.support.cli import run_runner as cli
 from tests.support.paths import REPO

@@ -11,8 +11,8 @@ import pytest
 from gguf import GGUFReader
 
 from gguf_arch.arch.keys import INDEXER_TOP_K
-from ggml_graph_spec.graph import DSA_PATHS
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.graph.build import DSA_PATHS
+from ggml_graph_spec.engine.model import Model
 
 PROMPTS = ("short", "long")
 FORCED = 8  # the fixture's index_topk_forced: its topk8__* outputs

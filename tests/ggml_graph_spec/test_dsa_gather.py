@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ggml_graph_spec.blocks import mla
-from ggml_graph_spec.model import EvalError, Model
+from ggml_graph_spec.engine.model import EvalError, Model
 
 from tests.support.reference import N_CTX, load_reference
 

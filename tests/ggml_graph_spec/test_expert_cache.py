@@ -1,4 +1,4 @@
-"""The expert cache of --mem-budget (memory/experts.py) and the plan that sizes it (budget.py):
+"""The expert cache of --mem-budget (backends/streaming/experts.py) and the plan that sizes it (budget.py):
 hits and misses counted per (layer, expert), the least used evicted, the bytes read are the file's,
 a short read is one clean error, the next layer's predicted experts read ahead only into entries
 the current layer does not use, and the plan stays within the budget."""
@@ -14,8 +14,8 @@ import pytest
 
 from gguf_arch.errors import KimiError
 from gguf_arch.io.direct_io import BLOCK, open_direct
-from ggml_graph_spec.memory.budget import BudgetError, ExpertSizes, plan_budget
-from ggml_graph_spec.memory.experts import ExpertCache, ExpertStack, ShortReadError
+from ggml_graph_spec.backends.streaming.budget import BudgetError, ExpertSizes, plan_budget
+from ggml_graph_spec.backends.streaming.experts import ExpertCache, ExpertStack, ShortReadError
 
 STRIDES = (96, 64, 128)  # bytes of one expert of each kind (gate, up, down)
 N_EXPERTS = 8
@@ -310,7 +310,7 @@ def test_a_read_in_several_requests_through_the_readers_buffers(tmp_path, offset
     later request is the same clean error."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ggml_graph_spec.memory.experts import pread_direct_into
+    from ggml_graph_spec.backends.streaming.experts import pread_direct_into
     data = np.random.default_rng(2).integers(0, 256, offset + 4 * nbytes, dtype=np.uint8)
     path = tmp_path / "experts.bin"
     path.write_bytes(data.tobytes())

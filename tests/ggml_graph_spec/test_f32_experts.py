@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from ggml_graph_spec import graph, model
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.blocks import forward
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.graph import build
 
 from tests.support.reference import N_CTX, assert_logits, load_reference
 
@@ -51,11 +52,11 @@ def test_exact_path_dequantization_chunks_do_not_change_the_logits(k31pro_tiny_g
     finally:
         m.close()
     # 4 KiB: every BF16 matrix of the fixture is cut into many chunks of a few rows.
-    monkeypatch.setattr(graph, "DEQUANT_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(model, "DEQUANT_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(build, "DEQUANT_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(forward, "DEQUANT_CHUNK_BYTES", 4096)
     m = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, exact_experts=True, n_threads=1)
     try:
-        assert m._graph_size > model._graph_size(m.weights) - 1  # the budget counts the chunks
+        assert m._graph_size > forward.graph_size(m.weights) - 1  # the budget counts the chunks
         chunked = m.eval(ids)
     finally:
         m.close()

@@ -15,7 +15,7 @@ from gguf_arch.arch import keys as K
 from gguf_arch.arch.config import load_config
 from gguf_arch.errors import GGUFError
 from gguf_arch.arch.tensors import plan_tensors
-from ggml_graph_spec.loader import load_gguf
+from ggml_graph_spec.weights.loader import load_gguf
 from tests.support.gguf_edit import rewritten_copy
 
 
@@ -152,7 +152,7 @@ def test_a_gguf_with_only_the_older_layers_key_still_loads_with_a_note(tmp_path,
     finally:
         weights.close()
         current.close()
-    from ggml_graph_spec.cli import main
+    from ggml_graph_spec.runner.cli import main
 
     assert main(["-m", str(legacy), "-p", "x", "-n", "1", "-c", "16", "-t", "2"]) == 0
     notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("print_info: note")]

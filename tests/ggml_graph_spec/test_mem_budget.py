@@ -1,5 +1,5 @@
 """--mem-budget: tokens identical to an unlimited run with most layers streamed from the file,
-on the fast and the exact path, and inside a real memory cgroup (memory/budget.py, streaming.py)."""
+on the fast and the exact path, and inside a real memory cgroup (backends/streaming/budget.py, streaming.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,7 +17,7 @@ import pytest
 import convert_kimi_k3
 from gguf_arch.arch.tensors import gguf_layer
 from gguf_arch.synth.cli import main as synth_main
-from ggml_graph_spec.memory.budget import PRESETS, BudgetError, parse_size, plan_budget
+from ggml_graph_spec.backends.streaming.budget import PRESETS, BudgetError, parse_size, plan_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
@@ -30,7 +30,7 @@ CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 # graph, so the prompt's graph already reads the experts as selected), then a 24-token prompt.
 CHILD = """
 import json, sys, numpy as np
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 path, exact, budget = sys.argv[1], sys.argv[2] == "1", (None if sys.argv[3] == "none" else sys.argv[3])
 m = Model.load(path, n_ctx=64, exact_experts=exact, n_threads=1, mem_budget=budget)
 m.eval([1]); m.reset()
@@ -79,7 +79,7 @@ def big_gguf(tmp_path_factory) -> Path:
 def pitched_gguf(tmp_path_factory) -> Path:
     """Experts of whole blocks (latent 256 x 512 MXFP4: 69,632 bytes = 17 x 4096 a slice, as the
     real model's 5.8 MB are 1428 blocks), their stacks at file offsets that differ from layer to
-    layer modulo the block: the fast path's expert cache is pitched (memory/experts.py; ~84 MB)."""
+    layer modulo the block: the fast path's expert cache is pitched (backends/streaming/experts.py; ~84 MB)."""
     d = tmp_path_factory.mktemp("pitched")
     assert synth_main(["--preset", "tiny", "--experts", "32", "--latent", "256", "--moe-intermediate", "512",
                        str(d / "hf")]) == 0
@@ -256,7 +256,7 @@ def test_streaming_a_split_gguf(big_gguf, split_gguf):
 
 
 def _doctor(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ggml_graph_spec.memory.doctor", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "ggml_graph_spec.tools.doctor", *map(str, args)],
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -276,7 +276,7 @@ def test_doctor_reports_memory_disk_and_presets(big_gguf, split_gguf, which):
 def test_doctor_reads_each_file_of_a_split_from_its_start(tmp_path, monkeypatch):
     """The read speed of a split GGUF times its files one after the other, each from byte 0
     (the bytes read are every file's, up to the bound)."""
-    from ggml_graph_spec.memory import doctor
+    from ggml_graph_spec.tools import doctor
     sizes = (3 * doctor._CHUNK + 5, doctor._CHUNK // 2, 2 * doctor._CHUNK)
     paths = []
     for i, size in enumerate(sizes):
@@ -307,7 +307,7 @@ def test_usable_memory_is_at_most_the_cgroup_limit():
     group = _make_cgroup(limit)
     try:
         procs = group / "cgroup.procs"
-        code = "from ggml_graph_spec.memory.host import cgroup_limit, usable_memory; print(cgroup_limit(), usable_memory())"
+        code = "from ggml_graph_spec.weights.host import cgroup_limit, usable_memory; print(cgroup_limit(), usable_memory())"
         r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                            text=True, timeout=TIMEOUT, preexec_fn=lambda: procs.write_text(str(os.getpid())))
     finally:
@@ -377,7 +377,7 @@ def test_doctor_refuses_a_broken_listing_in_one_line(big_gguf, tmp_path, cut):
 def _decode_at_half(gguf: Path, n: int, after_prompt=None, at_end=None) -> None:
     """Greedy-decode n tokens after the prompt [3, 1, 4] in-process, unlimited and at half the
     file: the tokens must be the same. after_prompt(model) and at_end(model) see the budget run."""
-    from ggml_graph_spec.model import Model
+    from ggml_graph_spec.engine.model import Model
     tokens = {}
     for budget in (None, str(gguf.stat().st_size // 2)):
         m = Model.load(gguf, n_ctx=64, n_threads=1, mem_budget=budget)
@@ -429,7 +429,7 @@ def test_the_first_moe_layer_is_predicted_from_the_embedding(tmp_path, monkeypat
     layer's weights: their reads overlap its attention (model._predict_experts); the others in
     the layer before. Every MoE layer is predicted, every decoded token, and the tokens are the
     unlimited run's."""
-    from ggml_graph_spec.memory.streaming import StreamingExecutor
+    from ggml_graph_spec.backends.streaming.executor import StreamingExecutor
     assert synth_main(["--preset", "tiny", "--experts", "32", "--latent", "256", "--moe-intermediate", "512",
                        "--dense-layers", str(dense), str(tmp_path / "hf")]) == 0  # as pitched_gguf: big experts
     gguf = tmp_path / "m.gguf"
@@ -479,8 +479,8 @@ def test_the_shared_experts_compute_while_the_missed_experts_are_read(pitched_gg
     the missed experts' reads and before waiting for them, the nodes up to the expert matmuls:
     the shared experts' three matmuls among them, no node that reads the expert cache
     (ExpertCache.place's `during`). The tokens are the unlimited run's."""
-    from ggml_graph_spec.memory.experts import ExpertCache
-    from ggml_graph_spec.memory.streaming import StreamingExecutor
+    from ggml_graph_spec.backends.streaming.experts import ExpertCache
+    from ggml_graph_spec.backends.streaming.executor import StreamingExecutor
     calls, place, compute, run = [], ExpertCache.place, StreamingExecutor._compute, StreamingExecutor._run
     state: dict = {"in": None, "pool": set()}
 
@@ -522,8 +522,8 @@ def test_each_slot_computes_once_its_own_experts_are_in(pitched_gguf, monkeypatc
     ones are read in that order) and does not wait for them; then for each slot in turn the
     executor waits for that slot's entry alone and computes the slot's nodes, so the first slots
     compute while the later ones are read. The tokens are the unlimited run's."""
-    from ggml_graph_spec.memory.experts import ExpertCache
-    from ggml_graph_spec.memory.streaming import StreamingExecutor
+    from ggml_graph_spec.backends.streaming.experts import ExpertCache
+    from ggml_graph_spec.backends.streaming.executor import StreamingExecutor
     events, place, ready, compute = [], ExpertCache.place, ExpertCache.ready, StreamingExecutor._compute
 
     def placing(self, *a, **kw):

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.convert.run import convert
-from ggml_graph_spec.model import EvalError, Model
+from ggml_graph_spec.engine.model import EvalError, Model
 from quant_rules.rules import QuantOptions
 
 from tests.support.reference import N_CTX, assert_greedy_matches, assert_logits, load_reference

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gguf_arch.errors import KimiError
-from ggml_graph_spec.perplexity import chunk_count, perplexity, token_nll
+from ggml_graph_spec.generation.perplexity import chunk_count, perplexity, token_nll
 
 VOCAB = 7
 
@@ -79,7 +79,7 @@ CHUNK = 32
 
 
 def _fixture_ppl(gguf, tokens: list[int], **model_kw) -> float:
-    from ggml_graph_spec.model import Model
+    from ggml_graph_spec.engine.model import Model
 
     m = Model.load(gguf, n_ctx=CHUNK, n_threads=2, **model_kw)
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_graph_spec.placement import (INPUT_SEGMENT, OUTPUT_SEGMENT, Placement, PlacementError, layer_ranges,
+from ggml_graph_spec.graph.placement import (INPUT_SEGMENT, OUTPUT_SEGMENT, Placement, PlacementError, layer_ranges,
                                        parse_tensor_split, split_layers)
 
 

@@ -18,11 +18,11 @@ from gguf_arch.arch.pruned import is_per_expert
 from gguf_arch.io.manifest import check_hashes, read_manifest
 from gguf_arch.io.saliency import LayerSaliency
 from gguf_arch.verify.diff import main as diff_main
-from ggml_graph_spec import prune
-from ggml_graph_spec.calibrate import main as calibrate
-from ggml_graph_spec.model import Model
-from ggml_graph_spec.prune import main, top_experts
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.tools import prune
+from ggml_graph_spec.tools.calibrate import main as calibrate
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.tools.prune import main, top_experts
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 from tests.support.gguf_edit import rewritten_copy
 from tests.support.paths import K31PRO_TINY, PROSE
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from ggml_graph_spec.model import EvalError, Model
+from ggml_graph_spec.engine.model import EvalError, Model
 from tests.support.gguf_edit import rewritten_copy
 
 from tests.support.reference import N_CTX, load_reference
@@ -87,7 +87,7 @@ def test_repack_leaves_what_ggml_cannot_repack_in_the_file(k31pro_tiny_gguf, tmp
 def test_repack_is_refused_on_the_exact_path(k31pro_tiny_gguf, capsys):
     with pytest.raises(EvalError, match="fast path"):
         _load(k31pro_tiny_gguf, repack=True, exact_experts=True)
-    from ggml_graph_spec.cli import main
+    from ggml_graph_spec.runner.cli import main
     assert main(["-m", str(k31pro_tiny_gguf), "-p", "x", "--repack", "--exact-experts"]) == 2
     assert "--repack applies to the fast path" in capsys.readouterr().err
 
@@ -157,7 +157,7 @@ def test_default_reads_the_experts_from_the_file_where_they_are_streamed_or_exac
 @pytest.mark.parametrize("usable,expected", [(100 << 20, True), (50 << 20, False)])
 def test_default_repacks_only_what_fits_in_usable_memory(monkeypatch, usable, expected):
     """The rule: the GGUF within MODEL_SHARE of the usable memory (RAM available, cgroup limit)."""
-    from ggml_graph_spec import repack
+    from ggml_graph_spec.weights import repack
     monkeypatch.setattr(repack, "usable_memory", lambda: usable)
     size = int(repack.MODEL_SHARE * (60 << 20))
     chosen, why = repack.choose_repack(size)

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from gguf_arch.arch.tensors import ATTN_NORM, OUTPUT, TOKEN_EMBD, layer_name
-from ggml_graph_spec.graph import F32, GraphBuild, new_tensor
-from ggml_graph_spec.model import Model
-from ggml_graph_spec.placement import INPUT_SEGMENT
-from ggml_graph_spec.rpc import Endpoint, Connection
-from ggml_graph_spec.sched import SchedExecutor
+from ggml_graph_spec.graph.build import F32, GraphBuild, new_tensor
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.graph.placement import INPUT_SEGMENT
+from ggml_graph_spec.backends.rpc.wire import Endpoint, Connection
+from ggml_graph_spec.backends.sched import SchedExecutor
 from tests.support.reference import LOGITS_ATOL, N_CTX, assert_greedy_matches, assert_logits, load_reference
 from tests.support.paths import REPO
 from tests.support.rpc_servers import Proxy, RpcServers
@@ -220,7 +220,7 @@ def test_a_server_killed_between_calls_is_an_error_naming_it(k31pro_tiny_gguf):
         code = f"""
 import sys
 from gguf_arch.errors import run_cli
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 
 def body():
     m = Model.load({str(k31pro_tiny_gguf)!r}, n_ctx=32, n_threads=1, rpc={two.endpoints!r}, tensor_split="1,1,1")
@@ -256,7 +256,7 @@ def test_a_server_lost_during_a_graph_ends_the_cli_with_one_line(k31pro_tiny_ggu
         try:
             r = _driver(f"""
 import sys
-from ggml_graph_spec.cli import main
+from ggml_graph_spec.runner.cli import main
 sys.exit(main(["-m", {str(k31pro_tiny_gguf)!r}, "--rpc", "{proxy.endpoint},{two.endpoints[1]}", "-ts", "1,1,1",
                "-p", "[BOS]The old woman", "-n", "4", "--temp", "0", "-c", "32", "-t", "1"]))
 """)
@@ -273,7 +273,7 @@ sys.exit(main(["-m", {str(k31pro_tiny_gguf)!r}, "--rpc", "{proxy.endpoint},{two.
     ("127.0.0.1:50052,127.0.0.1:50052", 2, "is given twice"),
 ])
 def test_a_malformed_endpoint_is_bad_input(capsys, k3_tiny_gguf, rpc, code, message):
-    from ggml_graph_spec.cli import main
+    from ggml_graph_spec.runner.cli import main
 
     rc = main(["-m", str(k3_tiny_gguf), "--rpc", rpc, "-p", "x", "-n", "1", "-c", "16"])
     err = capsys.readouterr().err
@@ -281,7 +281,7 @@ def test_a_malformed_endpoint_is_bad_input(capsys, k3_tiny_gguf, rpc, code, mess
 
 
 def test_an_unreachable_server_at_load_is_one_line_and_exit_1(capsys, k3_tiny_gguf):
-    from ggml_graph_spec.cli import main
+    from ggml_graph_spec.runner.cli import main
     from tests.support.rpc_servers import free_port
 
     port = free_port()  # nothing listens there
@@ -293,8 +293,8 @@ def test_an_unreachable_server_at_load_is_one_line_and_exit_1(capsys, k3_tiny_gg
 
 def test_cli_over_rpc_streams_the_reference_text_and_says_where_layers_went(capsys, k3_tiny_gguf, k3_tiny_dir,
                                                                           servers):
-    from ggml_graph_spec.cli import main
-    from ggml_graph_spec.tokenizer import BPETokenizer
+    from ggml_graph_spec.runner.cli import main
+    from ggml_graph_spec.text.tokenizer import BPETokenizer
 
     ref = np.load(k3_tiny_dir / "reference.npz")
     prompt = "[BOS]The old woman sold honey in small"
@@ -311,7 +311,7 @@ def test_cli_over_rpc_streams_the_reference_text_and_says_where_layers_went(caps
 
 
 def test_perplexity_over_rpc_equals_the_local_one(capsys, tmp_path, k31pro_tiny_gguf, k31pro_tiny_dir, servers):
-    from ggml_graph_spec.cli import main
+    from ggml_graph_spec.runner.cli import main
 
     text = tmp_path / "text.txt"
     text.write_text(str(np.load(k31pro_tiny_dir / "reference.npz")["prompt_long_text"]).replace("[BOS]", ""))
@@ -430,8 +430,8 @@ def test_ggml_failing_to_connect_after_the_handshake_is_one_line(k3_tiny_gguf):
     r = _driver(f"""
 import sys
 from gguf_arch.errors import run_cli
-from ggml_graph_spec import devices
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.backends.rpc import devices
+from ggml_graph_spec.engine.model import Model
 
 devices.handshake = lambda ep: "127.0.0.1"
 sys.exit(run_cli(lambda: Model.load({str(k3_tiny_gguf)!r}, n_ctx=16, n_threads=1, rpc=["127.0.0.1:{port}"],

@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from ggml_graph_spec import rpc
-from ggml_graph_spec.rpc import Endpoint, EndpointError, RpcError, handshake, parse_endpoints
+from ggml_graph_spec.backends.rpc import wire
+from ggml_graph_spec.backends.rpc.wire import Endpoint, EndpointError, RpcError, handshake, parse_endpoints
 
 
 def test_endpoints_parse_from_a_string_or_a_list():
@@ -84,7 +84,7 @@ def test_the_same_protocol_passes():
 def test_a_server_that_does_not_answer_is_a_bounded_wait(monkeypatch):
     """A ggml RPC server serving another client accepts the connection into its backlog and
     says nothing: the handshake gives up after HANDSHAKE_TIMEOUT_S (shortened here)."""
-    monkeypatch.setattr(rpc, "HANDSHAKE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT_S", 0.2)
     peer = _Peer(None)
     try:
         with pytest.raises(RpcError, match="no answer to the handshake .* serves one at a time"):

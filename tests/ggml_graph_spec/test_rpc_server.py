@@ -12,8 +12,8 @@ import socket
 import pytest
 
 from gguf_arch.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
-from ggml_graph_spec.rpc import Endpoint, handshake
-from ggml_graph_spec.rpc_server import UNAUTHENTICATED, main
+from ggml_graph_spec.backends.rpc.wire import Endpoint, handshake
+from ggml_graph_spec.tools.rpc_server import UNAUTHENTICATED, main
 from tests.support.rpc_servers import free_port, interrupt, start_server, wait_ready
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_graph_spec.sampling import Sampler, SamplingParams, min_p_filter, top_k_filter, top_p_filter
+from ggml_graph_spec.generation.sampling import Sampler, SamplingParams, min_p_filter, top_k_filter, top_p_filter
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], dtype=np.float32))
 

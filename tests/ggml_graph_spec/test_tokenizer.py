@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gguf_arch.arch.config import load_config
 from gguf_arch.errors import GGUFError
 from gguf_arch.arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges, tokenizer_metadata
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 from tests.support.bpe import kimi_bpe, multilingual_corpus
 from tests.support.paths import FIXTURES
 

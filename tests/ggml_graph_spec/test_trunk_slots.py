@@ -1,4 +1,4 @@
-"""The slots a memory budget streams layer trunks through (memory/streaming.py): tensors near each
+"""The slots a memory budget streams layer trunks through (backends/streaming/executor.py): tensors near each
 other in the file are one run, laid out in the slot as in the file at a place congruent modulo
 the block, so one O_DIRECT read brings a run in; the bytes are the file's at every tensor's slot
 offset (O_DIRECT or buffered), the slot never overflows, and a short read is one clean error."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from gguf_arch.io.direct_io import BLOCK, open_direct
-from ggml_graph_spec.memory.experts import ShortReadError
-from ggml_graph_spec.memory import experts
-from ggml_graph_spec.memory.streaming import _GAP, _Piece, _place, read_layer
+from ggml_graph_spec.backends.streaming.experts import ShortReadError
+from ggml_graph_spec.backends.streaming import experts
+from ggml_graph_spec.backends.streaming.layer_files import _GAP, Piece, place_pieces, read_layer
 
 # (offset, bytes) of a layer's trunk tensors: 32-aligned neighbours, a gap of exactly _GAP, a far one
 TENSORS = [(100, 5000), (5120, 64), (5184, 3 * BLOCK + 7), (5184 + 3 * BLOCK + 7 + _GAP, 900), (200_000, 12345)]
@@ -35,8 +35,8 @@ def _aligned(n: int) -> np.ndarray:
 
 
 def _layout(fd: int, path: str, direct):
-    pieces = [_Piece(None, fd, path, off, n, 0) for off, n in TENSORS]
-    return _place(pieces, {fd: direct})
+    pieces = [Piece(None, fd, path, off, n, 0) for off, n in TENSORS]
+    return place_pieces(pieces, {fd: direct})
 
 
 def test_neighbours_are_one_run_laid_out_as_in_the_file(trunk):
@@ -67,8 +67,8 @@ def test_a_layer_read_holds_the_files_bytes_at_every_tensor(trunk, how):
         for p in pieces:
             assert slot[p.slot_offset:p.slot_offset + p.nbytes].tobytes() == data[p.file_offset:p.file_offset + p.nbytes].tobytes()
         assert (mem[:pad + BLOCK] == 0xCD).all() and (mem[pad + BLOCK + size:] == 0xCD).all()  # nothing outside the slot
-        beyond = [_Piece(None, fd, path, len(data) - 100, 200, 0)]
-        _, short, n = _place(beyond, {fd: direct})
+        beyond = [Piece(None, fd, path, len(data) - 100, 200, 0)]
+        _, short, n = place_pieces(beyond, {fd: direct})
         with pytest.raises(ShortReadError, match="trunk.bin: short read at offset"):
             read_layer(short, _aligned(n))
     finally:

@@ -1,5 +1,5 @@
 """The runner's options and --override-kv values are checked against what they become before
-any ggml object exists (ggml_graph_spec/validation.py): each case runs kimi-k3-cli in a child
+any ggml object exists (ggml_graph_spec/runner/validation.py): each case runs kimi-k3-cli in a child
 process whose ggml_init and weight-buffer calls exit 99, so a value that reached ggml unchecked
 fails the test instead of aborting it, and expects exit 2 with one `error:` line."""
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_threads_beyond_the_cpus_are_capped_with_a_note(k3_tiny_gguf):
     """-t 1000 ran 14 s per token; the run is capped at the CPUs the process may use."""
     import os
     cpus = len(os.sched_getaffinity(0))
-    prelude = ("import ggml_graph_spec.model as mm\nreal = mm.Model.__init__\n"
+    prelude = ("import ggml_graph_spec.engine.model as mm\nreal = mm.Model.__init__\n"
                "def init(self, *a, **k):\n    print('threads', k['n_threads'], file=sys.stderr)\n"
                "    real(self, *a, **k)\nmm.Model.__init__ = init\n")
     res = run_tool("cli", "-m", k3_tiny_gguf, "-p", "hi", "-n", "1", "-c", "64", "--temp", "0", "-t", "1000",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 
 from .conftest import llama_run, requires_llama_cpp
 from .test_llama_cpp import PROMPTS, _ids, _rel

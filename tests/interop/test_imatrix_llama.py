@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from ggml_graph_spec.calibrate import main as calibrate
+from ggml_graph_spec.tools.calibrate import main as calibrate
 from tests.support.paths import PROSE
 
 from .conftest import _convert

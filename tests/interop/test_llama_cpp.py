@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 from tests.support.gguf_edit import rewritten_copy  # llama.cpp-style split via gguf-py's writer
 
 from .conftest import GGML_TYPE_F32, LoadFailure, llama_run, requires_llama_cpp

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
 import kimi_k3_quantize
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 from quant_rules import llama_quantize
 from quant_rules.rules import load_protected_set
 from tests.support.generated import ROWS_256, generated_gguf

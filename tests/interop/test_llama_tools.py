@@ -13,9 +13,9 @@ import pytest
 from gguf import GGUFReader
 
 import convert_kimi_k3
-from ggml_graph_spec import cli
-from ggml_graph_spec.model import Model
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.runner import cli
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 from tests.support.paths import TEXT
 
 from .llama_tools import llama_bin, llama_cli, run_logged, run_tool

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_graph_spec.prune import main as prune
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.tools.prune import main as prune
+from ggml_graph_spec.engine.model import Model
 
 from .conftest import _convert, llama_run, requires_llama_cpp
 from .test_fast_path_f32 import FAST_F32_REL_TOL

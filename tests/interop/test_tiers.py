@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType as Q
 
 from bench.tiers import (RESULTS, TIER_MODEL, TIERS, expert_bits, make_imatrix, make_model, make_tier,
                          tensor_bytes, tier_name)
-from ggml_graph_spec.model import Model
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.engine.model import Model
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 from quant_rules import llama_quantize
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES
 

@@ -7,7 +7,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 
 from gguf_arch.arch.keys import ARCH
 from gguf_arch.arch.tokenizer import KIMI_K2_PATTERN, bytes_to_token_text, recover_merges
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 from tests.support.bpe import kimi_bpe, multilingual_corpus
 from tests.ggml_graph_spec.test_tokenizer import MULTILINGUAL, fixture_encoding
 

@@ -8,8 +8,9 @@ import numpy as np
 import ggml
 
 from gguf_arch.arch.tensors import LAYER
-from ggml_graph_spec.cache import SequenceCache
-from ggml_graph_spec.graph import F32, Executor, GraphBuild, new_tensor
+from ggml_graph_spec.graph.cache import SequenceCache
+from ggml_graph_spec.backends.cpu import Executor
+from ggml_graph_spec.graph.build import F32, GraphBuild, new_tensor
 
 N_NODES = 4096  # one attention layer needs a few hundred
 

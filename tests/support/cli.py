@@ -28,7 +28,7 @@ class Result:
 
 
 # The project's command-line tools, by the module whose main() each test runs.
-MODULES = {"convert": "convert_kimi_k3", "cli": "ggml_graph_spec.cli", "diff": "gguf_arch.verify.diff",
+MODULES = {"convert": "convert_kimi_k3", "cli": "ggml_graph_spec.runner.cli", "diff": "gguf_arch.verify.diff",
            "synth": "gguf_arch.synth.cli"}
 # Any ggml context or weight buffer made in the child ends it with exit 99: a value reached ggml
 # before it was checked.

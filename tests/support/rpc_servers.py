@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter
 
-from ggml_graph_spec.rpc import COMMANDS, Endpoint, RpcError, handshake, recv_exactly
+from ggml_graph_spec.backends.rpc.wire import COMMANDS, Endpoint, RpcError, handshake, recv_exactly
 
 from .paths import REPO
 
@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def server_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ggml_graph_spec.rpc_server", *args]
+    return [sys.executable, "-m", "ggml_graph_spec.tools.rpc_server", *args]
 
 
 def start_server(port: int, *extra: str, threads: int = 1) -> subprocess.Popen:

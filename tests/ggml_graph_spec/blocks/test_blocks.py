@@ -20,9 +20,10 @@ from ggml_graph_spec.blocks.attn_res import ResidualBank, attn_res
 from ggml_graph_spec.blocks.ffn import situ
 from ggml_graph_spec.blocks.kda import build_kda
 from ggml_graph_spec.blocks.moe import build_moe
-from ggml_graph_spec.cache import SequenceCache
-from ggml_graph_spec.graph import F32, REFERENCE_QK_LATENT_EPS, Executor, GraphBuild, new_tensor
-from ggml_graph_spec.loader import LayerWeights
+from ggml_graph_spec.graph.cache import SequenceCache
+from ggml_graph_spec.backends.cpu import Executor
+from ggml_graph_spec.graph.build import F32, REFERENCE_QK_LATENT_EPS, GraphBuild, new_tensor
+from ggml_graph_spec.weights.loader import LayerWeights
 
 RTOL = 2e-5
 
@@ -276,7 +277,7 @@ def test_routed_experts_by_slot_are_the_batched_ones_bit_for_bit(cfg, exe, n_tok
     moe._routed_experts_by_slot) give exactly the batched mul_mat_id's values, for one token and
     for a batch whose tokens share experts in different slots."""
     from ggml_graph_spec.blocks.moe import _routed_experts, _routed_experts_by_slot
-    from ggml_graph_spec.graph import I32
+    from ggml_graph_spec.graph.build import I32
     from gguf_arch.arch.tensors import FFN_DOWN_EXPS, FFN_GATE_EXPS, FFN_UP_EXPS
     L = RandomLayer(cfg, cfg.moe_layers[0], exe, seed=6)
     cache = SequenceCache(cfg, exe.backend, n_ctx=16, exact=False, with_indexer=False)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ggml_graph_spec.blocks import dsa, mla
-from ggml_graph_spec.graph import causal_mask
+from ggml_graph_spec.graph.build import causal_mask
 from gguf_arch.arch.config import load_config
 
 from tests.support import attn_reference as ref

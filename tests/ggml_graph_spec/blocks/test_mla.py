@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ggml_graph_spec.blocks import mla
-from ggml_graph_spec.graph import REFERENCE_QK_LATENT_EPS, causal_mask
+from ggml_graph_spec.graph.build import REFERENCE_QK_LATENT_EPS, causal_mask
 from gguf_arch.arch.config import load_config
 
 from tests.support import attn_reference as ref

@@ -13,7 +13,7 @@ from gguf import GGUFReader
 
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, compile_template
 from gguf_arch.convert.run import convert
-from ggml_graph_spec.tokenizer import BPETokenizer
+from ggml_graph_spec.text.tokenizer import BPETokenizer
 
 from tests.support.paths import REPO
 
@@ -154,7 +154,7 @@ def test_a_broken_checkpoint_template_is_bad_input(tmp_path, k3_tiny_dir, value,
 
 def test_a_hostile_template_is_an_error_not_a_crash(tokenizer):
     from gguf_arch.errors import KimiError
-    from ggml_graph_spec.chat import ChatTemplate
+    from ggml_graph_spec.runner.chat import ChatTemplate
 
     with pytest.raises(KimiError, match="nested too deeply"):
         compile_template("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "deep")

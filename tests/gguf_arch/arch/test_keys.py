@@ -7,7 +7,8 @@ import json
 import pytest
 
 from gguf_arch.arch import keys as K
-from gguf_arch.arch.config import FIELDS, INDEX_FIELDS, K3Config, load_config, parse_config
+from gguf_arch.arch.config import K3Config, load_config, parse_config
+from gguf_arch.arch.config_fields import FIELDS, INDEX_FIELDS
 from gguf_arch.errors import GGUFError
 
 from tests.support.paths import K3_TINY, K31PRO_TINY, REFERENCE

@@ -20,7 +20,7 @@ from gguf import GGUFReader
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from ggml_graph_spec.model import Model
+from ggml_graph_spec.engine.model import Model
 from gguf_arch.arch.config import load_config
 from gguf_arch.convert.run import convert
 from gguf_arch.verify.diff import diff_gguf

@@ -15,29 +15,21 @@ from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import ggml
 import numpy as np
 
 from gguf_arch.errors import KimiError
 from gguf_arch.io.console import cpu_count
 
-from gguf_arch.arch.tensors import (ATTN_NORM, ATTN_RES_SCORE, FFN_RES_SCORE, OUTPUT, OUTPUT_NORM,
-                                    OUTPUT_RES_SCORE, TOKEN_EMBD)
-
-from . import taps
-from .blocks.attn_res import ResidualBank, attn_res
-from .blocks.ffn import build_dense_ffn, ffn_norm
-from .blocks.kda import build_kda
-from .blocks.mla import build_mla
-from .blocks.moe import build_moe, predict_experts
-from .cache import SequenceCache
-from .devices import Devices
-from .graph import DEQUANT_CHUNK_BYTES, DSA_PATHS, I32, Executor, GraphBuild
-from .loader import GGUFWeights, load_gguf
-from .memory.budget import parse_size
-from .memory.streaming import StreamingExecutor
-from .placement import OUTPUT_SEGMENT
-from .repack import resolve_repack
+from ..backends.cpu import Executor
+from ..backends.rpc.devices import Devices
+from ..backends.streaming.budget import parse_size
+from ..backends.streaming.executor import StreamingExecutor
+from ..blocks.forward import build_forward, graph_size
+from ..graph import taps
+from ..graph.build import DSA_PATHS, I32, GraphBuild
+from ..graph.cache import SequenceCache
+from ..weights.loader import GGUFWeights, load_gguf
+from ..weights.repack import resolve_repack
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py, on AVX2 (attention kernel 0.41-0.96x of masked on the fast path,
@@ -68,61 +60,6 @@ class EvalResult:
     moe_norms: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], same order (taps.py)
     # weight name -> sum over the call's tokens of its input squared, [n_mat, ne0] (taps.py)
     imatrix: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
-    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head (D.4, D.7)."""
-    cfg, c = g.cfg, g.ctx
-    t = weights.tensors
-    p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type
-    bank = ResidualBank()
-    first_moe = cfg.moe_layers[0] if cfg.moe_layers else 0
-    for l in range(cfg.num_layers):
-        g.begin_segment(l)
-        w = weights.layer(l)
-        x = p if len(bank) == 0 else attn_res(g, p, bank, w(ATTN_RES_SCORE))
-        if l == 0 and first_moe > 0:
-            _predict_experts(g, weights, first_moe, x)
-        if l % cfg.attn_res_block_size == 0:
-            bank.push(g, p)  # bank the raw incoming partial sum; the block restarts
-            p = None
-        h = g.rms_norm(x, w(ATTN_NORM), cfg.rms_norm_eps)
-        a = build_kda(g, w, h) if cfg.is_kda(l) else build_mla(g, w, h)
-        p = a if p is None else ggml.ggml_add(c, p, a)
-        y = attn_res(g, p, bank, w(FFN_RES_SCORE))
-        if l + 1 < cfg.num_layers and cfg.is_moe(l + 1) and l + 1 != first_moe:
-            _predict_experts(g, weights, l + 1, y)
-        h = ffn_norm(g, w, y)
-        f = build_moe(g, w, h) if cfg.is_moe(l) else build_dense_ffn(g, w, h)
-        p = ggml.ggml_add(c, p, f)
-        if g.wants("hidden"):
-            g.record("hidden", l, p)
-    g.begin_segment(OUTPUT_SEGMENT)
-    out = attn_res(g, p, bank, t[OUTPUT_RES_SCORE])
-    out = g.rms_norm(out, t[OUTPUT_NORM], cfg.rms_norm_eps)
-    return g.mm(t[OUTPUT], out)  # [vocab, T]
-
-
-def _predict_experts(g: GraphBuild, weights: GGUFWeights, layer: int, x) -> None:
-    """Offer a memory budget's executor MoE layer `layer`'s experts predicted from x (an earlier
-    input, before the norm): it reads them while the compute up to that layer's selection runs.
-    Every MoE layer is predicted at the FFN input of the layer before, but the token's first: from
-    the embedding, ahead of the first layer's attention, since from the previous token's last
-    selection until then the disk has nothing to read (at a dense layer 0's FFN input, as first
-    done, it also idled through that attention: bench/memory.py's model at 1/2, 21 ms of idle
-    disk a token against 16, the prediction as often right)."""
-    if g.predict_experts is not None:
-        g.predict_experts(g, layer, partial(predict_experts, g, weights.layer(layer), x))
-
-
-def _graph_size(weights: GGUFWeights) -> int:
-    """Node budget: generous per layer (AttnRes grows with the bank, MoE with the expert count),
-    plus the exact path's dequantization chunks (3 nodes each) of every 2-D weight."""
-    cfg = weights.cfg
-    n_blocks = cfg.num_layers // cfg.attn_res_block_size + 2
-    chunks = sum(-(-4 * ggml.ggml_nelements(t) // DEQUANT_CHUNK_BYTES)
-                 for t in weights.tensors.values() if ggml.ggml_n_dims(t) <= 2)
-    return 1024 + cfg.num_layers * (256 + 8 * cfg.num_experts_used + 16 * n_blocks) + 3 * chunks
 
 
 # Padding when joining per-batch rows of different widths (the visible context grows).
@@ -176,7 +113,7 @@ class Model:
         if dsa_path not in DSA_PATHS:
             raise EvalError(f"dsa_path must be one of {', '.join(DSA_PATHS)}, got {dsa_path!r}")
         self.dsa_path = dsa_path
-        self._graph_size = _graph_size(weights)
+        self._graph_size = graph_size(weights)
         self.devices = self._connect(rpc, tensor_split, n_threads, progress)
         try:
             self._exec = self._executor(n_threads, mem_budget)
@@ -191,7 +128,7 @@ class Model:
             self._exec.attach(self.cache.nbytes(self._exec.backend))
 
     def _executor(self, n_threads: int, mem_budget: int | str | None) -> Executor:
-        """CPU, CPU within a memory budget (memory/streaming.py), or the RPC devices' scheduler."""
+        """CPU, CPU within a memory budget (backends/streaming/executor.py), or the RPC devices' scheduler."""
         if mem_budget is None:
             return Executor(n_threads) if self.devices is None else self.devices.executor(self._graph_size)
         budget = parse_size(mem_budget)
@@ -231,12 +168,12 @@ class Model:
         without rpc or mem_budget (repack.resolve_repack and choose_repack).
         rpc: ggml RPC servers ("host:port", started with kimi-k3-rpc-server) to spread the layers
         over, with the local CPU last; tensor_split: one proportion per server then the CPU
-        (default: their free memory), see devices.py. A server unreachable at load is an RpcError;
+        (default: their free memory), see backends/rpc/devices.py. A server unreachable at load is an RpcError;
         one lost between calls is an RpcError from the next call; one lost during a call ends the
-        process with one line and exit code 1 (ggml's RPC client aborts otherwise; rpc.py).
+        process with one line and exit code 1 (ggml's RPC client aborts otherwise; backends/rpc/wire.py).
         progress: a progress bar on stderr while the servers' weights are uploaded.
-        mem_budget: bytes (or "8G", a preset: memory/budget.py) the model may keep resident; the
-        layers that do not fit are read from the file per token (memory/streaming.py).
+        mem_budget: bytes (or "8G", a preset: backends/streaming/budget.py) the model may keep resident; the
+        layers that do not fit are read from the file per token (backends/streaming/executor.py).
         """
         if repack and exact_experts:
             raise EvalError("repack applies to the fast path; the exact path reads the experts from the file")

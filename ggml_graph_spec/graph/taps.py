@@ -8,7 +8,7 @@ the graph has not one node more (tests/ggml_graph_spec/test_calibrate.py checks 
   (llama-imatrix's `in_sum2`); for a 3-D per-head weight one block of columns per head, for the
   routed experts one column block per expert over the tokens routed to it.
 * "moe_norms": per token and selected expert, the L2 norm of the expert's output in the latent
-  space (REAP's ||e_j(x)||, see ggml_graph_spec/calibrate.py for why the latent space).
+  space (REAP's ||e_j(x)||, see ggml_graph_spec/tools/calibrate.py for why the latent space).
 """
 from __future__ import annotations
 

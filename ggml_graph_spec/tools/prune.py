@@ -54,7 +54,7 @@ from gguf_arch.io.manifest import TensorHasher, write_manifest
 from gguf_arch.io.saliency import LayerSaliency, read_saliency
 from gguf_arch.io.split_names import part_paths
 
-from .loader import check_tensors, read_metadata
+from ..weights.loader import check_tensors, read_metadata
 
 READ_BYTES = 64 << 20  # one read of tensor bytes; the writer holds at most a few of them
 _NOT_COPIED = ("GGUF.", "general.architecture", "general.alignment", "split.")  # the writer's own

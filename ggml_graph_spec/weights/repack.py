@@ -25,7 +25,7 @@ import ggml
 from gguf_arch.io.console import human_size
 from gguf_arch.errors import GGUFError
 
-from .memory.host import MODEL_SHARE, usable_memory
+from .host import MODEL_SHARE, usable_memory
 
 _last_log_level = ggml.GGML_LOG_LEVEL_INFO
 

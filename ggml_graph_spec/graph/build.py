@@ -1,4 +1,4 @@
-"""The per-call graph context every block builder receives, and the executor that runs it.
+"""The per-call graph context every block builder receives.
 
 A `GraphBuild` bundles the ggml context and graph being built with what one `eval` call knows:
 how many tokens, how many are already cached, the causal mask, the exact/fast switch, the DSA
@@ -8,8 +8,7 @@ allocates the graph once (ggml-alloc), uploads `inputs`, computes and reads `rec
 from __future__ import annotations
 
 import ctypes
-from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from typing import Any, Callable, Hashable, Iterable
 
 import ggml
 import numpy as np
@@ -39,7 +38,7 @@ DEQUANT_CHUNK_BYTES = 256 << 20
 # rms_norm_eps (1e-5) for both. See GraphBuild.qk_latent_eps.
 REFERENCE_QK_LATENT_EPS = 1e-6
 
-_NUMPY_OF = {F32: np.float32, F16: np.float16, I32: np.int32}
+NUMPY_OF = {F32: np.float32, F16: np.float16, I32: np.int32}
 
 
 def new_tensor(ctx, ggml_type: int, ne: tuple[int, ...]):
@@ -98,7 +97,7 @@ class GraphBuild:
     # ---- inputs and outputs ------------------------------------------------------------------
     def input(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
         """A graph input whose data (numpy, C order = ne reversed) is uploaded before compute."""
-        value = np.ascontiguousarray(value, dtype=_NUMPY_OF[ggml_type])
+        value = np.ascontiguousarray(value, dtype=NUMPY_OF[ggml_type])
         if value.shape != tuple(reversed(ne)):
             raise ValueError(f"input {name}: value shape {value.shape} does not match ne {ne}")
         t = new_tensor(self.ctx, ggml_type, ne)
@@ -235,84 +234,3 @@ class GraphBuild:
     def rms_norm(self, x, weight, eps: float):
         """weight * x / sqrt(mean(x^2) + eps), over ne0."""
         return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, eps), weight)
-
-
-class Executor:
-    """The CPU backend and one ggml-alloc allocator, kept for the life of a model.
-
-    Each call's graph is placed by the same allocator: its buffer is reused from call to call
-    and only grows when a graph needs more (a prefill after token-by-token decode, say).
-    """
-
-    segments = False  # GraphBuild(segments=...): whether compute needs the tensors' segments
-    bind_experts = None  # GraphBuild(bind_experts=...): a hook placing the routed experts (None: in place)
-    predict_experts = None  # GraphBuild(predict_experts=...): a hook reading the next layer's experts early
-    wants_plan = False  # True: plan a graph built for the purpose before the next one is built and computed
-
-    def __init__(self, n_threads: int):
-        self.backend = ggml.ggml_backend_cpu_init()
-        ggml.ggml_backend_cpu_set_n_threads(self.backend, n_threads)
-        self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
-
-    @contextmanager
-    def graph(self, n_nodes: int, make: Callable[[Any, Any], GraphBuild]) -> Iterator[GraphBuild]:
-        """A fresh no-alloc context and graph for one call; freed on exit."""
-        ctx = ggml.ggml_init(ggml.ggml_init_params(
-            mem_size=ggml.ggml_tensor_overhead() * n_nodes * 2 + ggml.ggml_graph_overhead_custom(n_nodes, False),
-            mem_buffer=None, no_alloc=True))
-        try:
-            yield make(ctx, ggml.ggml_new_graph_custom(ctx, n_nodes, False))
-        finally:
-            ggml.ggml_free(ctx)
-
-    def compute(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
-        """Allocate g's graph (outputs kept alive), upload its inputs, run it."""
-        self._expand_outputs(g, outputs)
-        self._allocate(g)
-        for t, value in g.inputs:
-            if not t.contents.buffer:  # an input no node reads is not allocated
-                continue
-            ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
-        status = self._run(g)
-        if status != ggml.GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
-
-    def plan(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
-        """Plan the memory of g's graph (outputs kept alive) without computing it.
-
-        ggml-alloc reuses its last plan for the next graph when it has as many nodes and leafs
-        and every tensor fits, whatever that graph's outputs are: an output the old plan did not
-        keep would be overwritten before it is read. A graph with outputs beyond the logits
-        (records) is planned first from an identical graph built for the purpose: the
-        scheduler's planning rewrites the graph it is given."""
-        self._expand_outputs(g, outputs)
-        self._plan(g)
-
-    def _expand_outputs(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
-        for t in outputs:
-            ggml.ggml_set_output(t)
-            g.expand(t)
-
-    def _plan(self, g: GraphBuild) -> None:
-        if not ggml.ggml_gallocr_reserve(self._galloc, g.gf):
-            raise MemoryError("ggml-alloc could not allocate the compute graph")
-
-    def _allocate(self, g: GraphBuild) -> None:
-        if not ggml.ggml_gallocr_alloc_graph(self._galloc, g.gf):
-            raise MemoryError("ggml-alloc could not allocate the compute graph")
-
-    def _run(self, g: GraphBuild) -> int:
-        return ggml.ggml_backend_graph_compute(self.backend, g.gf)
-
-    @staticmethod
-    def read(t) -> np.ndarray:
-        """A contiguous output as [rows, ne0]: every output here is [width, n_tokens] (T = 1 too)."""
-        out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=_NUMPY_OF[t.contents.type])
-        ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
-        return out
-
-    def free(self) -> None:
-        if self._galloc is not None:
-            ggml.ggml_gallocr_free(self._galloc)
-            self._galloc = None
-            ggml.ggml_backend_free(self.backend)

@@ -15,7 +15,7 @@ import ggml
 
 from gguf_arch.arch.config import K3Config
 
-from .graph import F16, F32, new_tensor
+from .build import F16, F32, new_tensor
 
 CONV_INPUTS = ("q", "k", "v")
 

@@ -24,17 +24,17 @@ from gguf_arch.io.console import ArgumentParser, human_size
 from gguf_arch.io.jsonfile import read_text
 
 from .chat import Conversation, add_chat_arguments, chat_template, parse_template_kwargs, run_interactive
-from .generate import StopRules, Timings, generate, sigint_stops
-from .graph import DSA_PATHS
-from .loader import load_gguf
-from .memory.budget import add_budget_argument
-from .memory.streaming import StreamingExecutor
-from .model import Model
-from .perplexity import chunk_count, perplexity
-from .repack import add_repack_arguments, resolve_repack
-from .sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP, DEFAULT_TOP_K,
+from ..generation.generate import StopRules, Timings, generate, sigint_stops
+from ..graph.build import DSA_PATHS
+from ..weights.loader import load_gguf
+from ..backends.streaming.budget import add_budget_argument
+from ..backends.streaming.executor import StreamingExecutor
+from ..engine.model import Model
+from ..generation.perplexity import chunk_count, perplexity
+from ..weights.repack import add_repack_arguments, resolve_repack
+from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP, DEFAULT_TOP_K,
                        DEFAULT_TOP_P, Sampler, SamplingParams)
-from .tokenizer import BPETokenizer
+from ..text.tokenizer import BPETokenizer
 from .validation import RANDOM_SEED, UsageError, apply_overrides, check_dsa, check_options, tokenizer_settings
 
 DEFAULT_CTX = 4096  # llama-cli's -c default

@@ -23,9 +23,9 @@ import psutil
 from gguf_arch.errors import run_cli
 from gguf_arch.io.console import ArgumentParser
 
-from .budget import PRESETS, BudgetError, plan_budget
-from .host import MODEL_SHARE, cgroup_limit, usable_memory
-from .listing import ModelLayout, gguf_layout, is_listing, listing_layout
+from ..backends.streaming.budget import PRESETS, BudgetError, plan_budget
+from ..weights.host import MODEL_SHARE, cgroup_limit, usable_memory
+from ..backends.streaming.listing import ModelLayout, gguf_layout, is_listing, listing_layout
 
 _CHUNK = 8 << 20
 _READ_BYTES = 256 << 20  # the speed test reads at most this much...
@@ -53,7 +53,7 @@ def read_speed(paths: Sequence[str]) -> float:
 
 
 def report(path: Path, disk: Path | None = None) -> list[str]:
-    """The doctor's lines for a GGUF or a saved dry-run listing (memory/listing.py). The read
+    """The doctor's lines for a GGUF or a saved dry-run listing (backends/streaming/listing.py). The read
     speed is measured on the GGUF's files, or on `disk` (a large file on the disk the GGUF is or
     will be on: a listing's GGUF may not exist yet)."""
     layout = listing_layout(path) if is_listing(path) else gguf_layout(path)

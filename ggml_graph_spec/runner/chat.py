@@ -24,10 +24,10 @@ import jinja2
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, compile_template
 from gguf_arch.io.console import UsageError
 
-from .generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
-from .model import Model
-from .sampling import Sampler
-from .tokenizer import BPETokenizer
+from ..generation.generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
+from ..engine.model import Model
+from ..generation.sampling import Sampler
+from ..text.tokenizer import BPETokenizer
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 EXIT_COMMAND = "/exit"

@@ -13,7 +13,8 @@ from typing import Callable, Hashable, Sequence
 
 import ggml
 
-from .graph import Executor, GraphBuild
+from ..graph.build import GraphBuild
+from .cpu import Executor
 
 # ggml_is_view_op (ggml-impl.h, not exported): ops whose result aliases their source.
 _VIEW_OPS = frozenset({ggml.GGML_OP_VIEW, ggml.GGML_OP_RESHAPE, ggml.GGML_OP_PERMUTE, ggml.GGML_OP_TRANSPOSE})

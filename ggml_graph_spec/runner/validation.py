@@ -27,7 +27,7 @@ from gguf_arch.arch.tensors import plan_tensors
 from gguf_arch.io.console import UsageError, cpu_count
 from gguf_arch.io.gguf_values import problem as value_problem
 
-from .memory.budget import parse_size
+from ..backends.streaming.budget import parse_size
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed; the largest 32-bit seed
 # The tokenizer keys an override may change, with the tokenizer attribute each sets; gguf-py

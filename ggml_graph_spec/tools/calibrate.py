@@ -38,9 +38,9 @@ from gguf_arch.io.imatrix import ImatrixAccumulator, write_imatrix
 from gguf_arch.io.jsonfile import read_text
 from gguf_arch.io.saliency import SaliencyAccumulator, write_saliency
 
-from . import taps
-from .model import EvalResult, Model
-from .tokenizer import BPETokenizer
+from ..graph import taps
+from ..engine.model import EvalResult, Model
+from ..text.tokenizer import BPETokenizer
 
 DEFAULT_CHUNK = 512  # llama-imatrix's -c default
 

@@ -25,12 +25,12 @@ from tqdm import tqdm
 from gguf_arch.arch.tensors import TOKEN_EMBD, plan_tensors
 from gguf_arch.io.console import human_size, task_bar
 
-from .cache import SequenceCache
-from .loader import GGUFWeights
-from .placement import INPUT_SEGMENT, Placement, layer_ranges, parse_tensor_split
-from .rpc import (Connection, Endpoint, EndpointError, SizedHere, check_alive, guard, handshake, parse_endpoints,
+from ...graph.cache import SequenceCache
+from ...weights.loader import GGUFWeights
+from ...graph.placement import INPUT_SEGMENT, Placement, layer_ranges, parse_tensor_split
+from .wire import (Connection, Endpoint, EndpointError, SizedHere, check_alive, guard, handshake, parse_endpoints,
                   unguard)
-from .sched import SchedExecutor
+from ..sched import SchedExecutor
 
 UPLOAD_CHUNK_BYTES = 64 << 20
 

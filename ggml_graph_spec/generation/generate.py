@@ -18,9 +18,9 @@ import numpy as np
 
 from gguf_arch.io.console import UsageError
 
-from .model import Model
+from ..engine.model import Model
 from .sampling import Sampler
-from .tokenizer import BPETokenizer
+from ..text.tokenizer import BPETokenizer
 
 
 @dataclass

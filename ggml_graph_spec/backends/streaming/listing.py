@@ -12,10 +12,10 @@ from gguf_arch.arch.keys import ARCH_KEYS, DRY_RUN_HEADER, MOE_LISTED
 from gguf_arch.arch.tensors import gguf_kind, gguf_layer
 from gguf_arch.errors import GGUFError
 
-from ..loader import load_gguf
+from ...weights.loader import load_gguf
 from .budget import ExpertSizes
 from .experts import pitches
-from .streaming import EXPERT_KINDS, LayerFiles, slot_align
+from .layer_files import EXPERT_KINDS, LayerFiles, slot_align
 
 _MOE_KEYS = {k.full_name: k.name for k in ARCH_KEYS if k.name in MOE_LISTED}
 

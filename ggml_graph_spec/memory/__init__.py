@@ -1,1 +1,0 @@
-"""Running a GGUF bigger than the memory budget: the budget's plan and the layer streamer."""
