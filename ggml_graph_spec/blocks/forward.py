@@ -19,7 +19,7 @@ from .mla import build_mla
 from .moe import build_moe, predict_experts
 
 
-def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
+def build_forward(g: GraphBuild, weights: GGUFWeights, tokens, out_ids=None):
     """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head (D.4, D.7)."""
     cfg, c = g.cfg, g.ctx
     t = weights.tensors
@@ -48,6 +48,8 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
             g.record("hidden", l, p)
     g.begin_segment(OUTPUT_SEGMENT)
     out = attn_res(g, p, bank, t[OUTPUT_RES_SCORE])
+    if out_ids is not None:  # only these columns' logits (I32 [n]): the head is the largest matmul
+        out = ggml.ggml_get_rows(c, out, out_ids)
     out = g.rms_norm(out, t[OUTPUT_NORM], cfg.rms_norm_eps)
     return g.mm(t[OUTPUT], out)  # [vocab, T]
 
