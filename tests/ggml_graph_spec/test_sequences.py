@@ -306,3 +306,59 @@ def test_load_options_for_sequences_are_checked(k31pro_tiny_gguf):
         Model.load(k31pro_tiny_gguf, n_ctx=64, n_seq=0)
     with pytest.raises(Exception, match=r"-c 3 over -np 4 sequences gives each 0 tokens"):
         Model.load(k31pro_tiny_gguf, n_ctx=3, n_seq=4)
+
+
+# ---- the other backends ------------------------------------------------------------------------
+
+def _mixed_run(gguf, **kw) -> dict:
+    m = Model.load(gguf, _options("k31pro", False, "gather", n_seq=3, **kw))
+    try:
+        m.decode({2: _prompts(1)[2]})
+        return _greedy(m, _prompts(), steps=3)
+    finally:
+        m.close()
+
+
+def test_a_mixed_batch_under_a_memory_budget_equals_the_unlimited_one(k31pro_tiny_gguf):
+    """The streaming executor reads the experts the whole batch selects (the union) once a step
+    and computes from the same bytes: the same logits bit for bit at half the file."""
+    unlimited = _mixed_run(k31pro_tiny_gguf)
+    budget = _mixed_run(k31pro_tiny_gguf, mem_budget=k31pro_tiny_gguf.stat().st_size // 2)
+    for s in unlimited:
+        np.testing.assert_array_equal(budget[s], unlimited[s], err_msg=f"sequence {s}")
+
+
+def test_a_mixed_batch_over_rpc_equals_the_local_one(k31pro_tiny_gguf):
+    """Each sequence's caches live on its layers' devices (a plane per sequence there too)."""
+    from tests.support.rpc_servers import RpcServers
+    local = _mixed_run(k31pro_tiny_gguf)
+    with RpcServers(2) as servers:
+        remote = _mixed_run(k31pro_tiny_gguf, rpc=servers.endpoints, tensor_split="1,1,1")
+    for s in local:
+        np.testing.assert_array_equal(remote[s], local[s], err_msg=f"sequence {s}")
+
+
+# ---- what the caches take ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("exact,n_seq", [(False, 1), (False, 3), (True, 2)])
+def test_cache_bytes_per_token_and_sequence_are_the_formula(k31pro_tiny_gguf, exact, n_seq):
+    from gguf_arch.io.console import human_size
+    from ggml_graph_spec.runner.summary import summary
+    m = Model.load(k31pro_tiny_gguf, _options("k31pro", exact, "gather", n_seq=n_seq))
+    try:
+        cfg, kda = m.cfg, m.cfg.kda
+        latent = len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (4 if exact else 2)
+        indexer = len(cfg.indexer.layers) * cfg.indexer.head_dim * 4
+        states = len(kda.layers) * 4 * (3 * (kda.conv_kernel - 1) * kda.proj_dim + kda.head_dim ** 2 * kda.num_heads)
+        assert m.cache.bytes_per_token() == {"latent": latent, "indexer": indexer}
+        assert m.cache.bytes_per_sequence() == states
+        want = n_seq * (states + N_CTX_SEQ * (latent + indexer))
+        n_tensors = 4 * len(kda.layers) + 2 * len(cfg.mla_layers)
+        assert want <= m.cache.nbytes(m.executor.backend) <= want + 64 * n_tensors  # each tensor aligned
+        line = next(x for x in summary(m) if "caches" in x)
+        kind = "f32" if exact else "f16"
+        assert line.endswith(f"latent {kind} {human_size(latent)}, indexer keys f32 {human_size(indexer)} per token of "
+                             f"context; KDA states {human_size(states)} per sequence; {human_size(want)} for "
+                             f"{n_seq} x {N_CTX_SEQ} tokens")
+    finally:
+        m.close()
