@@ -355,7 +355,7 @@ def test_cache_bytes_per_token_and_sequence_are_the_formula(k31pro_tiny_gguf, ex
         want = n_seq * (states + N_CTX_SEQ * (latent + indexer))
         n_tensors = 4 * len(kda.layers) + 2 * len(cfg.mla_layers)
         assert want <= m.cache.nbytes(m.executor.backend) <= want + 64 * n_tensors  # each tensor aligned
-        line = next(x for x in summary(m) if "caches" in x)
+        line = next(x for x in summary(m) if x.startswith("print_info: caches "))
         kind = "f32" if exact else "f16"
         assert line.endswith(f"latent {kind} {human_size(latent)}, indexer keys f32 {human_size(indexer)} per token of "
                              f"context; KDA states {human_size(states)} per sequence; {human_size(want)} for "
