@@ -362,3 +362,19 @@ def test_cache_bytes_per_token_and_sequence_are_the_formula(k31pro_tiny_gguf, ex
                              f"{n_seq} x {N_CTX_SEQ} tokens")
     finally:
         m.close()
+
+
+def test_a_batch_over_n_batch_goes_through_in_micro_batches_with_the_reference_logits(k31pro_tiny_gguf,
+                                                                                      k31pro_tiny_dir):
+    """96 + 12 prompt tokens, 16 a graph: the long prompt is cut over seven micro-batches, the
+    first of which also holds the short one; each sequence's logits are the reference's."""
+    ref = load_reference(k31pro_tiny_dir)
+    m = Model.load(k31pro_tiny_gguf, LoadOptions(n_ctx=2 * N_CTX_SEQ, n_seq=2, exact_experts=True, n_batch=16,
+                                                 n_threads=2))
+    try:
+        out = m.decode({1: ref["input_ids_short"], 0: ref["input_ids_long"]}, logits="all")
+        assert_logits(out[0], ref["logits_long"], "long prompt in micro-batches")
+        assert_logits(out[1], ref["logits_short"], "short prompt beside it")
+        assert m.seq_pos(0) == 96 and m.seq_pos(1) == 12
+    finally:
+        m.close()
