@@ -378,3 +378,34 @@ def test_a_batch_over_n_batch_goes_through_in_micro_batches_with_the_reference_l
         assert m.seq_pos(0) == 96 and m.seq_pos(1) == 12
     finally:
         m.close()
+
+
+# ---- embedding rows in place of tokens (images) ----------------------------------------------
+
+def _token_rows(gguf, ids) -> np.ndarray:
+    """The token embedding rows of ids as F32 (what get_rows makes of the GGUF's table)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    t = next(t for t in GGUFReader(gguf).tensors if t.name == "token_embd.weight")
+    return dequantize(t.data, t.tensor_type).reshape(-1, t.shape[0])[ids].astype(np.float32)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_embedding_rows_in_a_mixed_batch_are_the_tokens_they_embed(k31pro_tiny_gguf, exact):
+    """Sequence 1 is fed as embedding rows (the token table's own rows of its prompt), beside
+    sequence 0's tokens: the logits are those of the tokens, bit for bit, and the history records
+    each row as EMBEDDING_POS."""
+    from ggml_graph_spec.engine.inputs import EMBEDDING_POS
+    prompts = _prompts()
+    rows = _token_rows(k31pro_tiny_gguf, prompts[1])
+    m = Model.load(k31pro_tiny_gguf, _options("k31pro", exact, "gather", n_seq=3))
+    try:
+        as_rows = m.decode({0: prompts[0], 1: rows, 2: prompts[1]}, logits="all")
+        np.testing.assert_array_equal(as_rows[1], as_rows[2])
+        assert m.seq_tokens(1) == [EMBEDDING_POS] * len(rows) and m.seq_tokens(2) == prompts[1]
+        with pytest.raises(EvalError, match=r"embedding rows for sequence 1 must be \[n >= 1, 64\]"):
+            m.decode({1: rows[:, :8]})
+        with pytest.raises(EvalError, match="non-finite"):
+            m.decode({1: np.full_like(rows, np.nan)})
+    finally:
+        m.close()
