@@ -6,7 +6,9 @@
   prints appears on that page, so a new flag lands with its line of documentation;
 * every command of a ```console block (a line starting with `$ `) is one the project has;
 * headings are unique within a page (their anchors would collide);
-* no line is longer than MAX_LINE outside tables and code blocks.
+* no line is longer than MAX_LINE outside tables and code blocks;
+* no source file cites a document that is not in the repository: the research notes the model's
+  facts were first written from live outside it, and a clone has only docs/reference/.
 
 Each check is a function that returns what it found wrong, run on the real documents and on a
 seeded defect in a temporary file, so that none of them can pass by finding nothing.
@@ -19,6 +21,7 @@ import importlib
 import io
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,13 @@ PYTHON_MODULES = {"ggml_graph_spec", "pytest", "pip"}  # python -m MODULE
 SHELL = {"cd", "echo", "export", "printf", "source", "cat", "head"}  # builtins, and filters after a pipe
 PREFIXES = {"sudo", "nice"}  # run the command that follows
 SEPARATORS = {"|", "||", "&&", ";"}
+# The research notes outside the repository that code once cited, by name or as "contract section N".
+OUTSIDE_DOCUMENTS = re.compile(r"k3-spec|k31pro-format|dsa-spec|vision-spec|mission\.md|style-models|contract section")
+MD_PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.md)(?:#([\w-]+))?")
+CITING = (".py", ".sh", ".cfg", ".toml", ".json", ".md")
+# Pages the code already names and their owner writes next: cited before they exist. Each must
+# still be missing (test_pending_pages_are_still_pending), so an entry goes once its page lands.
+PENDING_PAGES = {"docs/architecture.md"}
 
 
 def documents(root: Path = REPO) -> list[Path]:
@@ -221,6 +231,36 @@ def unknown_commands(text: str, scripts: set[str], root: Path = REPO) -> list[st
             for words in commands_of(line) if not known_command(words, scripts, root)]
 
 
+def citing_files(root: Path = REPO) -> list[str]:
+    """The files that may cite a document: sources, configuration, data rules and prose; not the
+    fixtures' data or the fuzz corpus."""
+    try:
+        names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        names = [str(p.relative_to(root)) for p in root.rglob("*") if ".venv" not in p.parts]
+    return [n for n in names if n.endswith(CITING) and not n.startswith("tests/fuzz/corpus/")
+            and not (n.startswith("tests/fixtures/") and not n.endswith(".md"))]
+
+
+def outside_citations(rel: str, text: str, root: Path = REPO) -> list[str]:
+    """Citations in `text` (the file `rel`) of a document the repository does not hold: a research
+    note by name, or a `*.md` path that is neither repository-relative nor relative to the file
+    (a `#fragment` must then name one of its headings)."""
+    bad = []
+    for n, line in enumerate(text.splitlines(), 1):
+        bad += [f"{rel}:{n}: {m.group(0)}" for m in OUTSIDE_DOCUMENTS.finditer(line)]
+        # A page's own links are test_every_relative_link_resolves' (and its link texts name pages).
+        for m in [] if rel.endswith(".md") else MD_PATH.finditer(line):
+            path, fragment = m.group(1), m.group(2)
+            found = [p for p in (root / path, (root / rel).parent / path) if p.is_file()]
+            if not found and path not in PENDING_PAGES:
+                bad.append(f"{rel}:{n}: {path}: not in the repository")
+            elif fragment and fragment not in anchors(found[0].read_text()):
+                bad.append(f"{rel}:{n}: {path}#{fragment}: no such heading")
+    return bad
+
+
 # ---- the real documents ------------------------------------------------------------------------
 
 def _rel(page: Path) -> str:
@@ -245,6 +285,19 @@ def test_no_long_lines_outside_tables_and_code(page):
 @pytest.mark.parametrize("page", documents(), ids=_rel)
 def test_console_blocks_run_only_what_the_project_has(page):
     assert unknown_commands(page.read_text(), set(console_scripts())) == []
+
+
+def test_no_source_file_cites_a_document_outside_the_repository():
+    bad = []
+    for rel in citing_files():
+        if rel != "tests/test_docs.py" and (REPO / rel).is_file():
+            bad += outside_citations(rel, (REPO / rel).read_text(errors="replace"))
+    assert bad == []
+
+
+def test_pending_pages_are_still_pending():
+    landed = sorted(p for p in PENDING_PAGES if (REPO / p).exists())
+    assert landed == [], f"{landed} exist now: remove them from PENDING_PAGES"
 
 
 def test_every_console_script_has_a_page():
@@ -311,6 +364,25 @@ def test_an_undocumented_option_is_found():
     assert options == {"--overwrite", "-t", "--threads", "--dry-run"}
     page = "| `-t/--threads N` | threads |\n| `--dry-run-all` | a longer option |\n"
     assert undocumented(options, page) == ["--dry-run", "--overwrite"]
+
+
+def test_a_citation_outside_the_repository_is_found(tmp_path):
+    (tmp_path / "docs" / "reference").mkdir(parents=True)
+    (tmp_path / "docs" / "reference" / "dsa.md").write_text("# DSA\n\n## Indexer math\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "notes.md").write_text("# Notes\n")
+    text = ('"""Top-k (docs/reference/dsa.md#indexer-math; notes.md), see README.md."""\n'
+            "# the indexer (k31pro-format.md section 3, dsa-spec B.2) and (contract section 5)\n"
+            "# docs/reference/dsa.md#selection, findings.md, docs/reference/gone.md\n")
+    assert outside_citations("pkg/mod.py", text, tmp_path) == [
+        "pkg/mod.py:1: README.md: not in the repository", "pkg/mod.py:2: k31pro-format",
+        "pkg/mod.py:2: dsa-spec", "pkg/mod.py:2: contract section",
+        "pkg/mod.py:2: k31pro-format.md: not in the repository",
+        "pkg/mod.py:3: docs/reference/dsa.md#selection: no such heading",
+        "pkg/mod.py:3: findings.md: not in the repository",
+        "pkg/mod.py:3: docs/reference/gone.md: not in the repository"]
+    assert outside_citations("pkg/notes.md", "see `dsa-spec.md` B.2 and [x](gone.md)\n", tmp_path) == [
+        "pkg/notes.md:1: dsa-spec"]
 
 
 def test_a_console_script_without_a_page_is_found(tmp_path):

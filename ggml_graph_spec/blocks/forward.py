@@ -20,7 +20,8 @@ from .moe import build_moe, predict_experts
 
 
 def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
-    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head (D.4, D.7)."""
+    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head
+    (docs/reference/forward.md, AttnRes and Output head)."""
     cfg, c = g.cfg, g.ctx
     t = weights.tensors
     p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type

@@ -1,5 +1,5 @@
-"""Kimi Delta Attention (k3-spec D.2): short convolutions, L2-normed q/k, the gated delta rule
-over the layer's recurrent state, and the gated output norm.
+"""Kimi Delta Attention (docs/reference/forward.md#kda): short convolutions, L2-normed q/k, the gated
+delta rule over the layer's recurrent state, and the gated output norm.
 
 Layout (ggml `ne` order, one sequence): x [n_embd, T]; q, k, v [head_dim, heads, T]; the conv
 state [K-1, P] and the recurrent state [head_dim, head_dim, heads] live in the sequence cache.
@@ -53,7 +53,8 @@ def _kda_gate(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
 
 
 def build_kda(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
-    """Kimi Delta Attention on the normed input x [n_embd, T] -> [n_embd, T] (D.2)."""
+    """Kimi Delta Attention on the normed input x [n_embd, T] -> [n_embd, T]
+    (docs/reference/forward.md#kda)."""
     c, kda, T = g.ctx, g.cfg.kda, g.n_tokens
     S, H, P = kda.head_dim, kda.num_heads, kda.proj_dim
     q, k, v = (ggml.ggml_reshape_3d(c, _short_conv(g, w, name, g.mm(w(proj), x)), S, H, T)
@@ -62,7 +63,8 @@ def build_kda(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     beta = ggml.ggml_reshape_4d(c, ggml.ggml_sigmoid(c, g.mm(w(SSM_BETA), x)), 1, H, T, 1)
     gate = _kda_gate(g, w, x)
     state = g.cache.kda_state(w.layer)
-    # The op scales q by 1/sqrt(S) itself (findings.md) and returns [outputs | final state].
+    # The op scales q by 1/sqrt(S) itself and returns [outputs | final state]
+    # (docs/reference/findings.md#ggml-ops-from-python).
     out = ggml.ggml_gated_delta_net(c, q, k, v, gate, beta, ggml.ggml_reshape_4d(c, state, S, S, H, 1), 1)
     elem = ggml.ggml_element_size(out)
     o = ggml.ggml_view_3d(c, out, S, H, T, S * elem, S * H * elem, 0)

@@ -1,6 +1,6 @@
 """Persistent per-sequence state, allocated once per model in one buffer per device.
 
-Per KDA layer (contract section 4): three short-conv states (the last kernel-1 projected inputs
+Per KDA layer (docs/reference/dsa.md#caches): three short-conv states (the last kernel-1 projected inputs
 of q, k and v) and the delta-rule state, all F32. Per MLA layer: the latent cache (normed latent
 then k_pe per token; F32 on the exact path, F16 on the fast path). Per DSA layer: the indexer
 key cache (F32). The per-token caches are sized from n_ctx; graphs write them in place
