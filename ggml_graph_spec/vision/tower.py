@@ -9,7 +9,8 @@ Activations are ggml `[width, patches]` (numpy `[patches, width]`). Per item of 
    q and k are rotated by the 2D RoPE from the host's angle table: each head's pairs (2j, 2j+1)
    are split into a "real" and an "imaginary" half of head_dim/2 and rotated there, so q and k
    leave in that split order (the same permutation of both keeps every q.k). Attention is full
-   (non-causal) over the item's t*h*w patches, softmax(q.k * head_dim^-0.5) in F32;
+   (non-causal) over the item's t*h*w patches, softmax(q.k * head_dim^-0.5) in F32 (ggml's
+   flash attention, F32 keys and values);
 3. the final RMSNorm (`v.post_ln`), then `sd2_tpool`: each k x k group of patches side by side
    in (dy, dx) order, averaged over the frames;
 4. the projector: `mm.post_norm(mm.2(gelu_erf(mm.1(x))))`, RMSNorm with the projector's eps.
@@ -92,30 +93,31 @@ def gelu_tanh(g: VisionGraph, x):
 
 
 def rotated(g: VisionGraph, qkv, part: int, cos, sin, n_patches: int):
-    """q (part 0) or k (part 1) of qkv [3Q, L], RoPE applied, as [head_dim, heads, L] in split order."""
+    """q (part 0) or k (part 1) of qkv [3Q, L], RoPE applied, as [head_dim, L, heads] in split order
+    (contiguous per head: the attention's matmul reads it as it is)."""
     ctx, cfg = g.ctx, g.cfg
     hd, heads, row = cfg.head_dim, cfg.num_heads, qkv.contents.nb[1]
     pairs = ggml.ggml_view_4d(ctx, qkv, 2, hd // 2, heads, n_patches, 8, hd * 4, row, part * cfg.qkv_size * 4)
-    split = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, pairs, 1, 0, 2, 3))  # [hd/2, 2, heads, L]
+    split = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, pairs, 1, 0, 3, 2))  # [hd/2, 2, L, heads]
     nb1, nb2 = split.contents.nb[2], split.contents.nb[3]
-    re = ggml.ggml_view_3d(ctx, split, hd // 2, heads, n_patches, nb1, nb2, 0)
-    im = ggml.ggml_view_3d(ctx, split, hd // 2, heads, n_patches, nb1, nb2, hd // 2 * 4)
+    re = ggml.ggml_view_3d(ctx, split, hd // 2, n_patches, heads, nb1, nb2, 0)
+    im = ggml.ggml_view_3d(ctx, split, hd // 2, n_patches, heads, nb1, nb2, hd // 2 * 4)
     out_re = ggml.ggml_sub(ctx, ggml.ggml_mul(ctx, re, cos), ggml.ggml_mul(ctx, im, sin))
     out_im = ggml.ggml_add(ctx, ggml.ggml_mul(ctx, re, sin), ggml.ggml_mul(ctx, im, cos))
     return ggml.ggml_concat(ctx, out_re, out_im, 0)
 
 
 def attention(g: VisionGraph, qkv, cos, sin, n_patches: int):
-    """softmax(q.k / sqrt(head_dim)) v over every patch of the item: [Q, L]."""
+    """softmax(q.k / sqrt(head_dim)) v over every patch of the item, as ggml's flash attention
+    with F32 keys and values (F32 dot products and accumulation: within the reference's float32
+    noise; no L x L score matrix, which a 4096-patch image would make 0.8 GB): [Q, L]."""
     ctx, cfg = g.ctx, g.cfg
     hd, heads = cfg.head_dim, cfg.num_heads
-    q = ggml.ggml_permute(ctx, rotated(g, qkv, 0, cos, sin, n_patches), 0, 2, 1, 3)  # [hd, L, heads]
-    k = ggml.ggml_permute(ctx, rotated(g, qkv, 1, cos, sin, n_patches), 0, 2, 1, 3)
-    v = ggml.ggml_view_3d(ctx, qkv, hd, heads, n_patches, hd * 4, qkv.contents.nb[1], 2 * cfg.qkv_size * 4)
-    scores = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), None, 1.0 / math.sqrt(hd), 0.0)
-    v_t = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, v, 1, 2, 0, 3))  # [L, hd, heads]
-    out = ggml.ggml_permute(ctx, ggml.ggml_mul_mat(ctx, v_t, scores), 0, 2, 1, 3)  # [hd, heads, L]
-    return ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, out), cfg.qkv_size, n_patches)
+    q, k = rotated(g, qkv, 0, cos, sin, n_patches), rotated(g, qkv, 1, cos, sin, n_patches)  # [hd, L, heads]
+    v = ggml.ggml_view_3d(ctx, qkv, hd, n_patches, heads, qkv.contents.nb[1], hd * 4, 2 * cfg.qkv_size * 4)
+    out = ggml.ggml_flash_attn_ext(ctx, q, k, v, None, 1.0 / math.sqrt(hd), 0.0, 0.0)
+    ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+    return ggml.ggml_reshape_2d(ctx, out, cfg.qkv_size, n_patches)  # [hd, heads, L]: already per patch
 
 
 def encoder_block(g: VisionGraph, block: int, x, cos, sin, n_patches: int):
@@ -167,8 +169,8 @@ def build_tower(g: VisionGraph, pixel_values: np.ndarray, grid: tuple[int, int, 
     x = patch_embedding(g, pixel_values, grid)
     g.record("patch_embed", x)
     cos_table, sin_table = rope_angles(grid, cfg.head_dim)
-    cos = g.input("rope_cos", cos_table[:, None, :])  # [hd/2, 1, L]: the same for every head
-    sin = g.input("rope_sin", sin_table[:, None, :])
+    cos = g.input("rope_cos", cos_table)  # [hd/2, L]: the same for every head
+    sin = g.input("rope_sin", sin_table)
     for block in range(cfg.num_layers):
         x = encoder_block(g, block, x, cos, sin, n)
         g.record(block_stage(block), x)
