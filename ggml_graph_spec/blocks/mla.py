@@ -1,6 +1,6 @@
-"""Gated NoPE MLA in the absorbed form over a latent cache (k3-spec D.3 and E.5).
+"""Gated NoPE MLA in the absorbed form over a latent cache (docs/reference/forward.md, MLA and llama.cpp's graph).
 
-Layout (ggml `ne` order, one sequence): x [n_embd, T]; per token the cache row is the normed
+Layout (ggml `ne` order): x [n_embd, T] over every token of the micro-batch; per token the cache row is the normed
 latent c [kv_lora] followed by the raw k_pe [rope] (no norm, no rotation: K3 is NoPE, its
 "rope" dims are plain learned dims). Each head's query is absorbed into the latent space,
 q_lat_h = W_kb[h]^T q_nope_h, so that score_h = q_lat_h . c + q_pe_h . k_pe is one dot product
@@ -22,6 +22,7 @@ from gguf_arch.arch.tensors import (ATTN_GATE, ATTN_KV_A_MQA, ATTN_KV_A_NORM, AT
 
 from . import dsa
 from ..graph.build import GraphBuild, Tensor
+from ..graph.ubatch import SeqRun
 from ..weights.loader import LayerWeights
 
 _F16 = ggml.GGML_TYPE_F16
@@ -68,7 +69,7 @@ def latent_row(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
 
 def _value_view(g: GraphBuild, kv: Tensor) -> Tensor:
     """The value is the latent part of each cache row: a view, no copy."""
-    return ggml.ggml_view_2d(g.ctx, kv, g.cfg.kv_lora_rank, g.n_kv, kv.contents.nb[1], 0)
+    return ggml.ggml_view_2d(g.ctx, kv, g.cfg.kv_lora_rank, kv.contents.ne[1], kv.contents.nb[1], 0)
 
 
 def attend_exact(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -137,9 +138,10 @@ def attend_gathered(g: GraphBuild, q: Tensor, kv: Tensor, mask: Tensor, k: int, 
     whose gathered mask value (-inf) removes them again. The gathered rows take T * k * D * 4
     bytes, so the queries go through in groups of at most GATHER_CHUNK_BYTES of rows (ggml-alloc
     reuses the memory from group to group)."""
-    ctx, T, D = g.ctx, g.n_tokens, kv.contents.ne[0]
+    ctx, D = g.ctx, kv.contents.ne[0]
+    n_kv, T = mask.contents.ne[0], mask.contents.ne[1]
     sel = ggml.ggml_cont(ctx, ggml.ggml_top_k(ctx, mask, k))  # [k, T]
-    sel_mask = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, mask, 1, g.n_kv, T), sel)  # [1, k, T]
+    sel_mask = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, mask, 1, n_kv, T), sel)  # [1, k, T]
     q = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3))  # [D, T, H] -> [D, H, T]
     step = max(1, GATHER_CHUNK_BYTES // (k * D * 4))
     out = None
@@ -160,22 +162,49 @@ def _cols(g: GraphBuild, t: Tensor, t0: int, n: int, n_dims: int) -> Tensor:
     return ggml.ggml_view_2d(g.ctx, t, c.ne[0], n, c.nb[1], t0 * c.nb[1])
 
 
+def _run_query(g: GraphBuild, q: Tensor, run: SeqRun) -> Tensor:
+    """The run's columns of the queries q [D, T, H]: a view (q itself for a micro-batch of one run)."""
+    if run.n_tokens == g.n_tokens:
+        return q
+    c = q.contents
+    return ggml.ggml_view_3d(g.ctx, q, c.ne[0], run.n_tokens, c.ne[2], c.nb[1], c.nb[2], run.offset * c.nb[1])
+
+
+def _attend_run(g: GraphBuild, w: LayerWeights, q: Tensor, rows: Tensor, dsa_in, run: SeqRun, scale: float) -> Tensor:
+    """One run's attention over its own sequence's cache: [kv_lora, T_run, H]. Each run is the
+    graph a single sequence of the same length builds, so its values are that sequence's alone."""
+    kv = g.store(g.cache.mla_latent(w.layer), _run_cols(g, rows, run), run)  # [kv_lora + rope, n_kv]
+    top_k = g.dsa_top_k(w.layer)
+    mask = g.kq_mask_of(run) if top_k is None else dsa.build_dsa_mask(g, w, dsa_in, run, top_k)
+    q = _run_query(g, q, run)
+    if top_k is not None and g.dsa_path == "gather" and top_k < run.n_kv:
+        return attend_gathered(g, q, kv, mask, top_k, scale)
+    # dense, masked DSA, or a selection that is the whole visible context anyway
+    return (attend_exact if g.exact else attend_flash)(g, q, kv, mask, scale)
+
+
+def _run_cols(g: GraphBuild, t: Tensor, run: SeqRun) -> Tensor:
+    """The run's columns of a [rows, T] tensor."""
+    if run.n_tokens == g.n_tokens:
+        return t
+    return _cols(g, t, run.offset, run.n_tokens, 2)
+
+
 def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """Gated NoPE MLA of layer `w.layer` (DSA-masked when `g.dsa_top_k` says so): [n_embd, T]."""
     c = g.cfg
     ctx, T = g.ctx, g.n_tokens
     cq = q_lora_latent(g, w, x)
     q = absorbed_query(g, w, cq)
-    kv = g.store(g.cache.mla_latent(w.layer), latent_row(g, w, x))  # [kv_lora + rope, n_kv]
-    top_k = g.dsa_top_k(w.layer)
-    mask = g.kq_mask if top_k is None else dsa.build_dsa_mask(g, w, x, cq, top_k)
+    rows = latent_row(g, w, x)  # [kv_lora + rope, T]
+    dsa_in = dsa.indexer_inputs(g, w, x, cq) if g.dsa_top_k(w.layer) is not None else None
     # The full nope + rope head dim, not the absorbed length; 1/sqrt in F32 as llama.cpp computes
     # it (1 ulp off the correctly rounded value for some dims, 24 in the fixtures).
     scale = float(np.float32(1) / np.sqrt(np.float32(c.qk_head_dim)))
-    if top_k is not None and g.dsa_path == "gather" and top_k < g.n_kv:
-        o_lat = attend_gathered(g, q, kv, mask, top_k, scale)
-    else:  # dense, masked DSA, or a selection that is the whole visible context anyway
-        o_lat = (attend_exact if g.exact else attend_flash)(g, q, kv, mask, scale)  # [kv_lora, T, H]
+    o_lat = None  # [kv_lora, T, H], the runs' outputs in micro-batch order
+    for run in g.ubatch.runs:
+        part = _attend_run(g, w, q, rows, dsa_in, run, scale)
+        o_lat = part if o_lat is None else ggml.ggml_concat(ctx, o_lat, part, 1)
     o = g.mm(w(ATTN_V_B), o_lat)  # [v_dim, T, H]
     o = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, o, 0, 2, 1, 3))  # [v_dim, H, T]
     o = ggml.ggml_reshape_2d(ctx, o, c.v_head_dim * c.num_heads, T)

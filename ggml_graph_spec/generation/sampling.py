@@ -121,3 +121,18 @@ class Sampler:
         logits = min_p_filter(logits, self.params.min_p)
         probs = _probs(logits / np.float32(self.params.temp))
         return int(self._rng.choice(probs.size, p=probs))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The model's log-probabilities of one logits row (float64, before any sampling filter)."""
+    z = np.asarray(logits, dtype=np.float64).reshape(-1)
+    z = z - np.max(z)
+    return z - np.log(np.exp(z).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n most likely (token, logprob), most likely first; ties: the lower id first."""
+    if n <= 0:
+        return []
+    order = np.argsort(-logprobs, kind="stable")[:n]
+    return [(int(i), float(logprobs[i])) for i in order]

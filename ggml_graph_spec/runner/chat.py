@@ -17,57 +17,19 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
-import jinja2
-
-from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, compile_template
 from gguf_arch.io.console import UsageError
 
-from ..generation.generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
 from ..engine.model import Model
+from ..generation.events import Reply, StopRules, Timings
+from ..generation.generate import generate
 from ..generation.sampling import Sampler
+from ..text.chat_template import ChatTemplate, ReplyFilter
 from ..text.tokenizer import BPETokenizer
+from .interrupt import Interrupt, sigint_stops
 
-CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 EXIT_COMMAND = "/exit"
-# K3's XTML markup: what lies between an opening or closing token and the next <|sep|> is a tag
-# name and attributes, not text of the reply.
-_TAG_START = ("<|open|>", "<|close|>")
-_TAG_END = "<|sep|>"
-
-
-class ChatTemplate:
-    """A chat template compiled in the sandbox, rendered as Hugging Face renders it."""
-
-    def __init__(self, text: str, where: str, tokenizer: BPETokenizer, kwargs: Mapping[str, Any]) -> None:
-        self.where = where
-        self._template = compile_template(text, where, UsageError)
-        special = lambda i: tokenizer.decode([i]) if i is not None else ""  # noqa: E731
-        self._context = {"bos_token": special(tokenizer.bos_id), "eos_token": special(tokenizer.eos_id),
-                         **kwargs}
-
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **self._context)
-        except jinja2.TemplateError as exc:  # raise_exception, sandbox violations, undefined names
-            raise UsageError(f"{self.where}: chat template: {exc.message or exc}") from None
-        except RecursionError:  # a macro calling itself without end
-            raise UsageError(f"{self.where}: chat template: recursion too deep") from None
-
-
-def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: Path | None,
-                  kwargs: Mapping[str, Any], read_text: Callable[[Path], str]) -> tuple[ChatTemplate, str]:
-    """--chat-template-file, else the GGUF's tokenizer.chat_template, else the built-in K3 template;
-    with a line saying which."""
-    if file is not None:
-        return ChatTemplate(read_text(file), str(file), tokenizer, kwargs), f"chat template: {file}"
-    text = metadata.get(CHAT_TEMPLATE_KEY)
-    if isinstance(text, str):
-        return ChatTemplate(text, CHAT_TEMPLATE_KEY, tokenizer, kwargs), f"chat template: the GGUF's {CHAT_TEMPLATE_KEY}"
-    return (ChatTemplate(K3_CHAT_TEMPLATE, "built-in K3 template", tokenizer, kwargs),
-            f"chat template: the GGUF has no {CHAT_TEMPLATE_KEY}; using the built-in K3 template")
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,24 +59,6 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise UsageError(f"--chat-template-kwargs: expected a JSON object, got {text!r}")
     return value
-
-
-class ReplyFilter:
-    """Which tokens of a chat reply are shown: no special tokens, no XTML tag names or attributes."""
-
-    def __init__(self, tokenizer: BPETokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._starts = {i for i in map(tokenizer.special_id, _TAG_START) if i is not None}
-        self._end = tokenizer.special_id(_TAG_END)
-        self._in_tag = False
-
-    def __call__(self, token: int) -> bool:
-        if token in self._starts:
-            self._in_tag = True
-        elif token == self._end:
-            self._in_tag = False
-            return False
-        return not (self._in_tag or self._tokenizer.is_special(token))
 
 
 @dataclass
@@ -147,8 +91,8 @@ class Conversation:
         tokens = self.new_tokens(user_text)
         self.sampler.reset()
         show = ReplyFilter(self.tokenizer) if self.template is not None else (lambda _t: True)
-        reply = generate(self.model, self.tokenizer, tokens, self.sampler, self.stop, out=out, timings=timings,
-                         show=show, interrupt=interrupt)
+        reply = stream(generate(self.model, tokens, self.sampler, self.stop, timings=timings, show=show,
+                                stop_requested=_flag(interrupt)), out)
         self._unevaluated = [] if reply.pending is None else [reply.pending]
         if self.template is not None:
             if reply.reason != "eog" and self.tokenizer.eos_id is not None:
@@ -156,6 +100,18 @@ class Conversation:
             self.messages.append({"role": "assistant", "content": reply.text})
             self._rendered = self.template.render(self.messages, add_generation_prompt=False)
         return reply
+
+
+def stream(generation, out: TextIO) -> Reply:
+    """Print a generation's text as it comes."""
+    for event in generation:
+        out.write(event.text)
+        out.flush()
+    return generation.reply
+
+
+def _flag(interrupt: Interrupt | None):
+    return (lambda: False) if interrupt is None else (lambda: interrupt.requested)
 
 
 def _common_prefix(a: str, b: str) -> int:

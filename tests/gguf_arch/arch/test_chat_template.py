@@ -154,7 +154,7 @@ def test_a_broken_checkpoint_template_is_bad_input(tmp_path, k3_tiny_dir, value,
 
 def test_a_hostile_template_is_an_error_not_a_crash(tokenizer):
     from gguf_arch.errors import KimiError
-    from ggml_graph_spec.runner.chat import ChatTemplate
+    from ggml_graph_spec.text.chat_template import ChatTemplate
 
     with pytest.raises(KimiError, match="nested too deeply"):
         compile_template("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "deep")
