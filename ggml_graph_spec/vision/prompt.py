@@ -61,6 +61,29 @@ class MergedPrompt:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def segments(self, rows: Sequence[np.ndarray], zero_id: int | None = None) -> list[np.ndarray]:
+        """The sequence as the engine takes it, in order: runs of token ids (int64) and runs of
+        float32 rows (an item's, or a zero row for each token equal to `zero_id`, as
+        `merge_embeddings` makes them)."""
+        width = rows[0].shape[1] if rows else 0
+        where = {start: r for start, r in zip(self.media_starts, rows)}
+        out, pos, ids = [], 0, self.token_ids
+        while pos < len(ids):
+            if pos in where:
+                out.append(np.asarray(where[pos], dtype=np.float32))
+                pos += len(where[pos])
+                continue
+            end = pos
+            while end < len(ids) and ids[end] >= 0 and end not in where and (zero_id is None or ids[end] != zero_id):
+                end += 1
+            if end == pos:  # a token the reference's merge zeroes
+                out.append(np.zeros((1, width), dtype=np.float32))
+                end += 1
+            else:
+                out.append(ids[pos:end])
+            pos = end
+        return out
+
 
 def expand_placeholders(ids: Sequence[int], pad_id: int, counts: Sequence[int]) -> MergedPrompt:
     """Each of the prompt's placeholder tokens replaced by its item's `counts[i]` rows, in order."""

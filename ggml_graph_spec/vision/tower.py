@@ -1,4 +1,5 @@
-"""MoonViT and the patchmergerv2 projector as one ggml graph per media item.
+"""MoonViT and the patchmergerv2 projector as one ggml graph per media item (the math:
+docs/reference/vision.md).
 
 Activations are ggml `[width, patches]` (numpy `[patches, width]`). Per item of grid (t, h, w):
 

@@ -6,7 +6,8 @@ with a 2D RoPE, `sd2_tpool` merge) and the projector `patchmergerv2`. Every fiel
 is required and range-checked, and every field whose other values would describe another model
 (`merge_type`, `norm_type`, the biases, ...) must have K3's value: all problems are reported
 together, one line. What the reference code hard-codes instead of reading (the ViT's RMSNorm eps,
-the RoPE base and grid, the time embedding's base) are the constants below.
+the RoPE base and grid, the time embedding's base) are the constants below. The facts:
+docs/reference/vision.md.
 
 The released checkpoint ships the processor's settings in `preprocessor_config.json`; a
 checkpoint without it (the tiny fixtures) gets K3's published values, with the tower's own patch

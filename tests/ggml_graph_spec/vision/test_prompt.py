@@ -74,5 +74,10 @@ def test_placeholders_must_match_and_expand_in_place():
     out = merge_embeddings(expand_placeholders([5, 9, 6, 9, 5], 9, [2, 3]), lambda i: np.ones((len(i), 4)) * i[:, None],
                            rows, zero_id=6)
     assert out[:, 0].tolist() == [5, 7, 7, 0, 8, 8, 8, 5]  # the pad id's row is zero, as the reference merges
+    merged = expand_placeholders([5, 9, 6, 9, 5], 9, [2, 3])
+    parts = merged.segments(rows, zero_id=6)
+    assert [p.tolist() if p.dtype.kind == "i" else p[:, 0].tolist() for p in parts] == [[5], [7, 7], [0], [8, 8, 8], [5]]
+    flat = np.concatenate([np.ones((len(p), 4)) * p[:, None] if p.dtype.kind == "i" else p for p in parts])
+    assert np.array_equal(flat, out)  # the segments are the merged rows, run by run
     with pytest.raises(PromptError, match="media rows of shape"):
         merge_embeddings(expand_placeholders([9], 9, [2]), lambda i: np.ones((len(i), 4)), [np.ones((3, 4))])
