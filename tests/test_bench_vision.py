@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from bench.moonvit_torch import MoonViT
 
-from tests.ggml_graph_spec.vision.conftest import INPUTS, floor, ref, rel  # noqa: F401 (ref: a fixture)
+from tests.ggml_graph_spec.vision.conftest import INPUTS, floor, rel
 from tests.ggml_graph_spec.vision.test_tower import TOLERANCE_FACTOR
+from tests.support.paths import VISION
 
 
-def test_the_benchs_pytorch_moonvit_computes_the_reference(k31pro_tiny_dir, ref):
+def test_the_benchs_pytorch_moonvit_computes_the_reference(k31pro_tiny_dir):
+    with np.load(VISION / "vision_reference.npz") as z:
+        ref = {k: z[k] for k in z.files}
     config = json.loads((k31pro_tiny_dir / "config.json").read_text())
     vision = config["vision_config"]
     weights = {n: t.float() for shard in sorted(k31pro_tiny_dir.glob("*.safetensors"))

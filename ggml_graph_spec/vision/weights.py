@@ -129,6 +129,17 @@ def _upload(plan: list[PlannedTensor], found: dict[str, Any], exact: bool, where
     return ctx, buffer, tensors
 
 
+def check_pairing(vcfg: VisionConfig, where: str, text_hidden_size: int, media_pad_id: int | None) -> None:
+    """GGUFError unless the mmproj fits the text model: its rows as wide as the model's embeddings,
+    its placeholder the model's `<|media_pad|>` (None: the model's vocabulary has none)."""
+    if vcfg.text_hidden_size != text_hidden_size:
+        raise GGUFError(f"{where}: the mmproj's rows are {vcfg.text_hidden_size} wide (clip.vision.projection_dim), "
+                        f"the text model's embeddings {text_hidden_size}: an mmproj of another model")
+    if media_pad_id != vcfg.media_placeholder_id:
+        raise GGUFError(f"{where}: the mmproj's placeholder token is {vcfg.media_placeholder_id}, the text model's "
+                        f"<|media_pad|> is {media_pad_id}: an mmproj of another model")
+
+
 def load_mmproj(path: Path | str, *, exact: bool = True) -> VisionWeights:
     """Open, validate and load a Kimi K3 mmproj (one file or the first part of a split)."""
     path = Path(path)

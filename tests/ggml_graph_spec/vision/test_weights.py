@@ -10,7 +10,7 @@ from gguf import GGUFValueType as T
 import convert_kimi_k3
 from gguf_arch.errors import GGUFError
 from ggml_graph_spec.vision.encode import VisionEncoder, encode_images
-from ggml_graph_spec.vision.weights import load_mmproj
+from ggml_graph_spec.vision.weights import check_pairing, load_mmproj
 
 from tests.support.gguf_edit import rewritten_copy, tensor_info
 
@@ -75,3 +75,13 @@ def test_a_split_or_quantized_mmproj_loads(tmp_path, k31pro_tiny_dir, k31pro_tin
         assert {enc.weights.tensors[n].contents.type for n in ("mm.1.weight", "v.blk.0.ffn_up.weight")} == {0}
         rows = enc.encode(enc.media(files("img_32x32")))
     assert 0 < rel(rows, ref["img_32x32/image_features"]) < 2.0 ** -6  # Q8_0's rounding, dequantized exactly
+
+
+def test_the_pairing_with_a_text_model_is_checked(exact_encoder):
+    """For the runner: an mmproj whose rows or placeholder are not the text model's is refused."""
+    cfg = exact_encoder.cfg
+    check_pairing(cfg, "mm.gguf", 64, 677)  # k31pro-tiny's own text model
+    with pytest.raises(GGUFError, match="rows are 64 wide .* embeddings 7168: an mmproj of another model"):
+        check_pairing(cfg, "mm.gguf", 7168, 677)
+    with pytest.raises(GGUFError, match="placeholder token is 677, the text model's <.media_pad.> is None"):
+        check_pairing(cfg, "mm.gguf", 64, None)

@@ -95,6 +95,15 @@ def test_text_and_mmproj_in_one_run(tmp_path, k31pro_tiny_dir, k31pro_tiny_gguf,
                                                           "mm.gguf.sha256.json"]
 
 
+def test_resume_keeps_a_finished_mmproj(tmp_path, k31pro_tiny_dir, capsys):
+    mm = tmp_path / "mm.gguf"
+    assert _convert(k31pro_tiny_dir, tmp_path / "m.gguf", "--mmproj", mm) == 0
+    before = mm.stat().st_mtime_ns
+    assert convert_kimi_k3.main([str(k31pro_tiny_dir), str(tmp_path / "m.gguf"), "--mmproj", str(mm), "--resume"]) == 0
+    assert f"{mm}: finished earlier, verified against mm.gguf.sha256.json; kept" in capsys.readouterr().out
+    assert mm.stat().st_mtime_ns == before
+
+
 def test_diff_and_verify_cover_the_mmproj(tmp_path, k31pro_tiny_dir, k31pro_tiny_mmproj):
     report = diff_gguf(k31pro_tiny_dir, k31pro_tiny_mmproj)
     assert report.ok and report.counts()["exact"] == len(report.tensors) == 18
