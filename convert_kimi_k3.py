@@ -86,7 +86,8 @@ def _list_only(args: argparse.Namespace, quant, mmproj: MmprojOptions | None, sp
                   replace=args.overwrite)
         guard.check()
     if args.print_tensor_types:
-        print("\n".join([source, *dsa_key_lines(cfg), *types.log, *format_tensor_types(types)]))
+        if text:
+            print("\n".join([source, *dsa_key_lines(cfg), *types.log, *format_tensor_types(types)]))
         if vision is not None:
             print("\n".join([*vision[2], *format_tensor_types(vision[0])]))
     if args.dry_run:

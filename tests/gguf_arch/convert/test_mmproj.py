@@ -166,6 +166,15 @@ def test_dry_run_lists_the_mmproj_with_its_exact_size(tmp_path, k31pro_tiny_dir,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_print_tensor_types_lists_the_mmproj(k31pro_tiny_dir, capsys):
+    assert convert_kimi_k3.main([str(k31pro_tiny_dir), "--print-tensor-types", "--mmproj", "mm.gguf", "--mmproj-only",
+                                 "--mmproj-tensor-type", "ffn_up=q8_0"]) == 0
+    out = capsys.readouterr().out
+    assert "v.blk.1.ffn_up.weight" in out and "--mmproj-tensor-type ffn_up=q8_0" in out
+    assert "blk.0.attn_norm.weight" not in out  # no text model listed with --mmproj-only
+    assert "18 tensors" in out.splitlines()[-1]
+
+
 @pytest.mark.parametrize("args, needle", [
     (("OUT", "--mmproj", "OUT"), "both the GGUF and the mmproj of this run would be written there"),
     (("--mmproj-only",), "--mmproj-only need(s) --mmproj"),
