@@ -35,9 +35,11 @@ def interpolate_table(table: np.ndarray, h: int, w: int) -> np.ndarray:
     t = table.astype(np.float64)
     ylo, yhi, wy = _linear_weights(h0, h)
     xlo, xhi, wx = _linear_weights(w0, w)
-    rows = t[ylo] * (1 - wy)[:, None, None] + t[yhi] * wy[:, None, None]  # [h, W0, C]
-    out = rows[:, xlo] * (1 - wx)[None, :, None] + rows[:, xhi] * wx[None, :, None]
-    return out.reshape(h * w, c).astype(np.float32)
+    out = np.empty((h, w, c), dtype=np.float32)
+    for y in range(h):  # a row at a time: float64 [w, C] at most (a 512 x 128 grid whole would be 0.5 GB)
+        row = t[ylo[y]] * (1 - wy[y]) + t[yhi[y]] * wy[y]  # [W0, C]
+        out[y] = row[xlo] * (1 - wx)[:, None] + row[xhi] * wx[:, None]
+    return out.reshape(h * w, c)
 
 
 def time_embedding(frames: int, width: int) -> np.ndarray:
