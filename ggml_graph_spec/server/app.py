@@ -66,6 +66,15 @@ class Server:
         return await http.read_json(request, self.settings.max_body, self.settings.timeout)
 
 
+def model_props(model, api_key_required: bool, template_where: str) -> dict:
+    """/props (and the `meta` of /v1/models): the slots, the context of each, the model."""
+    stat = model.weights.path.stat()
+    meta = {"n_vocab": model.cfg.vocab_size, "n_ctx_train": model.cfg.context_length, "n_ctx": model.n_ctx,
+            "size": stat.st_size, "created": int(stat.st_mtime)}
+    return {"total_slots": model.n_seq, "model_path": str(model.weights.path), "chat_template": template_where,
+            "api_key_required": api_key_required, "meta": meta, "default_generation_settings": {"n_ctx": model.n_ctx}}
+
+
 def build_app(server: Server) -> Any:
     app = FastAPI(title="kimi-k3-server", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(ApiError, http.api_error)

@@ -34,7 +34,7 @@ from ..runner.cli import load
 from ..runner.summary import summary
 from ..runner.validation import cap_threads
 from ..text.chat_template import chat_template
-from .app import HttpSettings, Server
+from .app import HttpSettings, Server, model_props
 from .engine import Engine
 from .service import Service, bind
 from .slot_files import SlotFiles
@@ -140,15 +140,6 @@ def server_lines(model: Model, a: argparse.Namespace) -> list[str]:
     return [f"print_info: {k:<16} = {v}" for k, v in rows]
 
 
-def _props(model: Model, a: argparse.Namespace, template_where: str) -> dict:
-    stat = model.weights.path.stat()
-    meta = {"n_vocab": model.cfg.vocab_size, "n_ctx_train": model.cfg.context_length, "n_ctx": model.n_ctx,
-            "size": stat.st_size, "created": int(stat.st_mtime)}
-    return {"total_slots": model.n_seq, "model_path": str(model.weights.path), "chat_template": template_where,
-            "api_key_required": a.api_key is not None, "meta": meta,
-            "default_generation_settings": {"n_ctx": model.n_ctx}}
-
-
 class _StopSignals:
     """While serving: SIGINT, SIGTERM and SIGHUP ask for an orderly stop (an event the main
     thread waits on) instead of raising where the main thread happens to be."""
@@ -174,7 +165,9 @@ def stop_signals() -> Iterator[_StopSignals]:
             signal.signal(s, handler)
 
 
-def _serve(model: Model, service: Service, a: argparse.Namespace) -> int:
+def start_engine(model: Model, service: Service, a: argparse.Namespace) -> Engine:
+    """The chat template, the engine thread and the slot files for a loaded model, attached to the
+    service: from here on it serves the model."""
     kwargs = parse_template_kwargs(a.chat_template_kwargs) if a.chat_template_kwargs else {}
     template, where = chat_template(model.weights.metadata, model.tokenizer, a.chat_template_file, kwargs, _read_text)
     files = None
@@ -182,10 +175,15 @@ def _serve(model: Model, service: Service, a: argparse.Namespace) -> int:
         a.slot_save_path.mkdir(parents=True, exist_ok=True)
         files = SlotFiles(a.slot_save_path)
     engine = Engine(model, queue_size=a.queue, checkpoints=a.ctx_checkpoints, prefill_chunk=a.batch_size,
-                    slot_files=files, log=_log)
+                    slot_files=files, log=service.server.log)
+    service.attach(engine, template, model_props(model, a.api_key is not None, where))
+    service.server.log(where)
+    return engine
+
+
+def _serve(model: Model, service: Service, a: argparse.Namespace) -> int:
     with stop_signals() as stop:
-        service.attach(engine, template, _props(model, a, where))
-        _log(where)
+        engine = start_engine(model, service, a)
         _log(f"server is listening on {service.address} (chat page at {service.address}/)")
         while not stop.event.wait(1.0) and service.alive():
             pass
@@ -193,6 +191,10 @@ def _serve(model: Model, service: Service, a: argparse.Namespace) -> int:
              f"{engine.failure or service.http_failure or 'the HTTP server ended'}")
         clean = service.stop()
     return 0 if stop.signum is not None and clean else 1
+
+
+def http_settings(a: argparse.Namespace) -> HttpSettings:
+    return HttpSettings(a.alias or a.model.name, a.api_key, a.max_body, a.timeout, a.slot_save_path)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -205,8 +207,7 @@ def run(a: argparse.Namespace) -> int:
         sock = bind(a.host, a.port)
     except OSError as exc:
         raise OSError(f"cannot listen on {a.host}:{a.port} ({exc.strerror or exc})") from None
-    settings = HttpSettings(a.alias or a.model.name, a.api_key, a.max_body, a.timeout, a.slot_save_path)
-    service = Service(Server(settings, _log), sock)
+    service = Service(Server(http_settings(a), _log), sock)
     _log(f"server is up on {service.address}; loading {a.model} (/health answers 503 until it is loaded)")
     try:
         model = load(a.model, options)
