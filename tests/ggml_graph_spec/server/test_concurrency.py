@@ -134,3 +134,77 @@ def test_a_client_that_stops_reading_is_dropped_after_the_timeout(k3_tiny_gguf):
     finally:
         s.close()
         short.close()
+
+
+# ---- the fast path, --mem-budget, --rpc ------------------------------------------------------------
+
+FAST_BOUND_SHORT = 2.5  # the fast path's bound of the reference on the short prompt (test_model, test_sequences)
+
+
+def _together(server: LiveServer, bodies: list[dict]) -> list[dict]:
+    out: dict = {}
+    threads = [threading.Thread(target=_complete, args=(server.url, b, out, i)) for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    return [out[i] for i in range(len(bodies))]
+
+
+def test_fast_path_concurrent_replies_stay_within_the_engine_bound_of_the_solo_ones(k3_tiny_gguf):
+    """The fast path rounds activations after each matmul, and a single decoding column takes
+    another kernel than a batch (engine.md; the head's matmul too, on each request's last
+    column): a concurrent reply is within the engine's bound of its solo run, not equal. While
+    the tokens agree, each log-probability is within 2 x (2 x FAST_BOUND_SHORT): every logit
+    within twice the bound (test_sequences), and a log-probability moves by at most twice its
+    largest logit's move (the log-sum-exp moves by at most that). The first tokens agree."""
+    fast = LiveServer(k3_tiny_gguf, "-np", 8, "-c", 8 * 256)
+    try:
+        bodies = [{**_body(i), "logprobs": 5} for i in range(8)]
+        solo = [httpx.post(fast.url + "/v1/completions", json=b, timeout=WAIT_S).json() for b in bodies]
+        fast.gate.close()
+        threads_out = []
+        runner = threading.Thread(target=lambda: threads_out.append(_together(fast, bodies)))
+        runner.start()
+        wait_for(lambda: fast.engine._outstanding == 8, "8 requests in the engine")
+        fast.gate.open()
+        runner.join(WAIT_S)
+        for s, t in zip(solo, threads_out[0]):
+            a, b = s["choices"][0]["logprobs"], t["choices"][0]["logprobs"]
+            assert a["tokens"][0] == b["tokens"][0]
+            for x, y, tx, ty in zip(a["token_logprobs"], b["token_logprobs"], a["tokens"], b["tokens"]):
+                if tx != ty:
+                    break
+                assert abs(x - y) <= 2 * 2 * FAST_BOUND_SHORT
+    finally:
+        fast.close()
+
+
+@pytest.mark.parametrize("placement", ["mem-budget", "rpc"])
+def test_concurrent_replies_under_a_memory_budget_and_over_rpc_equal_the_local_ones(server, k3_tiny_gguf, placement):
+    """--mem-budget streams the layers that do not fit from the file each step, --rpc computes
+    layers on a ggml RPC server: both with the same kernels as here (exact path), so the replies
+    are the local server's."""
+    bodies = [_body(i) for i in range(4)]
+    local = _together(server, bodies)
+    if placement == "mem-budget":
+        other = LiveServer(k3_tiny_gguf, "-np", 4, "-c", 4 * 256, "--exact-experts", "-b", 8,
+                           "--mem-budget", 2_000_000)  # some layers pinned, the rest streamed
+        rpc = None
+    else:
+        from tests.support.rpc_servers import RpcServers
+
+        rpc = RpcServers(1)
+        other = LiveServer(k3_tiny_gguf, "-np", 4, "-c", 4 * 256, "--exact-experts", "-b", 8,
+                           "--rpc", rpc.endpoints[0], "-ts", "1,1")
+    try:
+        if rpc is None:
+            assert other.model.executor.plan_.streamed, "the budget streams no layer: the test would prove nothing"
+        else:
+            assert other.model.devices is not None
+        assert [r["choices"][0]["text"] for r in _together(other, bodies)] == \
+            [r["choices"][0]["text"] for r in local]
+    finally:
+        other.close()
+        if rpc is not None:
+            rpc.close()
