@@ -18,8 +18,13 @@ N_CTX_SLOT = 512
 
 
 @pytest.fixture(scope="module")
-def server(k3_tiny_gguf):
-    s = LiveServer(k3_tiny_gguf, "-np", 2, "-c", 2 * N_CTX_SLOT, "--exact-experts")
+def slot_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="module")
+def server(k3_tiny_gguf, slot_dir):
+    s = LiveServer(k3_tiny_gguf, "-np", 2, "-c", 2 * N_CTX_SLOT, "--exact-experts", "--slot-save-path", slot_dir)
     yield s
     s.close()
 
@@ -133,6 +138,43 @@ def test_a_completion_continued_reuses_the_whole_history(server, client):
     # The slot holds the prompt and the reply but its last sampled token: all of that is reused.
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids)
     assert b["choices"][0]["text"] == fresh["choices"][0]["text"]
+
+
+def test_a_slot_saved_erased_and_restored_serves_the_next_prompt_from_its_file(server, slot_dir):
+    for sid in (0, 1):
+        server.http.post(f"/slots/{sid}?action=erase").raise_for_status()
+    ids = server.http.post("/tokenize", json={"content": PROMPT}).json()["tokens"]
+    a = server.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0}).json()
+    (slot,) = [s for s in server.slots() if s["n_tokens"]]
+    saved = server.http.post(f"/slots/{slot['id']}?action=save", json={"filename": "a.bin"}).json()
+    assert saved["n_saved"] == slot["n_tokens"] == len(ids) + 3  # the prompt and the reply but its last token
+    assert (slot_dir / "a.bin").stat().st_size == saved["n_written"]
+    assert server.http.post(f"/slots/{slot['id']}?action=erase").json()["n_erased"] == saved["n_saved"]
+    assert server.slots()[slot["id"]]["n_tokens"] == 0
+    restored = server.http.post(f"/slots/{slot['id']}?action=restore", json={"filename": "a.bin"}).json()
+    assert restored["n_restored"] == saved["n_saved"] and server.slots()[slot["id"]]["n_tokens"] == saved["n_saved"]
+    history = ids + [t for t in server.http.post("/tokenize", json={"content": a["choices"][0]["text"]}).json()["tokens"]]
+    body = {"prompt": history[:saved["n_saved"]] + [ids[0]], "max_tokens": 3, "temperature": 0}
+    cached = server.http.post("/v1/completions", json=body).json()
+    fresh = server.http.post("/v1/completions", json={**body, "cache_prompt": False}).json()
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] == saved["n_saved"]
+    assert cached["choices"][0]["text"] == fresh["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("query, body, needle", [
+    ("0?action=save", {"filename": "../escape.bin"}, "'filename' must be a plain file name"),
+    ("0?action=restore", {"filename": "missing.bin"}, "cannot read the sequence state"),
+    ("0?action=restore", {"filename": "junk.bin"}, "not a kimi-k3 sequence state"),
+    ("0?action=fly", {}, "action must be one of save, restore, erase"),
+    ("7?action=erase", {}, "slot id must be 0..1"),
+])
+def test_bad_slot_actions_are_400_and_leave_the_slot_as_it_was(server, slot_dir, query, body, needle):
+    (slot_dir / "junk.bin").write_bytes(b"not a state at all" * 10)
+    before = server.slots()
+    r = server.http.post(f"/slots/{query}", json=body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert str(slot_dir) not in r.text  # the server's directory is not told to clients
+    assert server.slots() == before
 
 
 # ---- tokens, metrics -------------------------------------------------------------------------------

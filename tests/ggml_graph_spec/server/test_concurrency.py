@@ -208,3 +208,9 @@ def test_concurrent_replies_under_a_memory_budget_and_over_rpc_equal_the_local_o
         other.close()
         if rpc is not None:
             rpc.close()
+
+
+def test_slot_actions_without_a_slot_save_path_are_501(server):
+    r = server.http.post("/slots/0?action=save", json={"filename": "a.bin"})
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    assert "--slot-save-path" in r.json()["error"]["message"]
