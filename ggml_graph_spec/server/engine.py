@@ -129,9 +129,11 @@ class Engine:
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - a fault of the engine itself: fail loudly, once
             self.failure = exc
-            self._log(f"error: engine stopped: {exc}")
-        self._end_all(ApiError(503 if self.failure is None else 500, "unavailable_error" if self.failure is None
-                               else SERVER, SHUTTING_DOWN if self.failure is None else f"engine failure: {self.failure}"))
+            self._log(f"error: engine stopped: {type(exc).__name__}: {exc}")
+        if self.failure is None:
+            self._end_all(unavailable(SHUTTING_DOWN))
+        else:
+            self._end_all(ApiError(500, SERVER, f"engine failure: {type(self.failure).__name__}: {self.failure}"))
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -190,18 +192,22 @@ class Engine:
             self.model.state_set(slot.id, choice.checkpoint.data, f"slot {slot.id} checkpoint")
         elif not choice.cached and self.model.seq_pos(slot.id):
             self.model.seq_rm(slot.id)
-        if choice.cached:
+        self._begin(job, slot, choice.cached)
+
+    def _begin(self, job: Job, slot: Slot, cached: int) -> None:
+        req = job.request
+        if cached:
             self.stats.cache_hits += 1
-            self.stats.cached_tokens += choice.cached
+            self.stats.cached_tokens += cached
         sampler = Sampler(req.sampling)
-        sampler.accept(req.prompt[:choice.cached])  # the penalties see the whole prompt, cached or not
+        sampler.accept(req.prompt[:cached])  # the penalties see the whole prompt, cached or not
         eog = frozenset() if req.ignore_eos or self._eos is None else frozenset({self._eos})
         show = ReplyFilter(self.model.tokenizer) if req.chat else (lambda _t: True)
-        request = self.batch.add(slot.id, req.prompt[choice.cached:], sampler, StopRules(eog, req.max_tokens, req.stop),
+        request = self.batch.add(slot.id, req.prompt[cached:], sampler, StopRules(eog, req.max_tokens, req.stop),
                                  show=show, logprobs=req.logprobs)
-        slot.busy, slot.history = True, list(req.prompt[:choice.cached])
+        slot.busy, slot.history = True, list(req.prompt[:cached])
         self._running[request] = job
-        job.started(slot.id, choice.cached)
+        job.started(slot.id, cached)
 
     def _step(self) -> None:
         busy = len(self._running)

@@ -28,6 +28,7 @@ class Gate:
         self._open.set()
         self._permits = threading.Semaphore(0)
         self.waiting = threading.Event()  # set when a call waits at the closed gate
+        self.fail_next: BaseException | None = None  # raised by the next call instead of decoding
 
     def close(self) -> None:
         self._open.clear()
@@ -45,6 +46,9 @@ class Gate:
             if not self._permits.acquire(timeout=WAIT_S):
                 raise RuntimeError(f"test gate: no permit for {WAIT_S} s")
             self.waiting.clear()
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
         return self._decode(*args, **kwargs)
 
 

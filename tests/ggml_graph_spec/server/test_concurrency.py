@@ -214,3 +214,14 @@ def test_slot_actions_without_a_slot_save_path_are_501(server):
     r = server.http.post("/slots/0?action=save", json={"filename": "a.bin"})
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
     assert "--slot-save-path" in r.json()["error"]["message"]
+
+
+def test_a_step_the_model_refuses_fails_its_requests_only(server):
+    from ggml_graph_spec.engine.model import EvalError
+
+    server.gate.fail_next = EvalError("the model computed a non-finite logit")
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Bees", "max_tokens": 2}, timeout=WAIT_S)
+    assert r.status_code == 500 and r.json()["error"] == {
+        "code": 500, "message": "the model computed a non-finite logit", "type": "server_error"}
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Bees", "max_tokens": 2}, timeout=WAIT_S)
+    assert ok.status_code == 200 and server.engine.failure is None
