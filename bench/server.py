@@ -15,7 +15,9 @@ each taking turns, the best round counting (the machine may be shared):
             fresh prefill); ratio = cached / fresh (goal: at most 0.2).
   overhead  one streaming client's time per token (first token to last) against the engine's own
             decode loop (generation/generate.py, the same options, in a child process after the
-            server stopped); overhead = server / engine - 1 (goal: at most 5%).
+            server stopped); overhead = server / engine - 1 (goal: at most 5%). The same child
+            measures the engine's own batching (bench/parallel.py's decode steps of 1, 4 and 8
+            sequences together): engine_decode_ratio_to_1, what the clients' ratio can reach.
 
 Results: bench/results/server.json and bench/results/server.png (tokens/s and ratio against the
 client count; the two times to first token).
@@ -46,22 +48,30 @@ TIMEOUT = 3600.0
 
 ENGINE_CHILD = """
 import json, sys, time
+import numpy as np
 from ggml_graph_spec.engine.model import Model
 from ggml_graph_spec.generation.events import StopRules
 from ggml_graph_spec.generation.generate import generate
 from ggml_graph_spec.generation.sampling import Sampler, SamplingParams
-gguf, threads, gen, prompt, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), \\
+gguf, threads, gen, prompts, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), \\
     int(sys.argv[5])
 m = Model.load(gguf, n_ctx=8 * 2048, n_seq=8, n_threads=threads, n_batch=2048)
 m.decode({0: [1]})
-best = float("inf")
+best, together = float("inf"), {}
 for _ in range(repeats):
     m.reset()
     stamps = []
-    for event in generate(m, prompt, Sampler(SamplingParams(temp=0.0)), StopRules(frozenset(), gen)):
+    for event in generate(m, prompts[0], Sampler(SamplingParams(temp=0.0)), StopRules(frozenset(), gen)):
         stamps.append(time.perf_counter())
     best = min(best, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
-print(json.dumps({"s_per_token": best}))
+    for n in (1, 4, 8):  # the engine's own batching, as bench/parallel.py: n sequences decoding together
+        m.reset()
+        out = m.decode({s: prompts[s] for s in range(n)})
+        t = time.perf_counter()
+        for _ in range(gen):
+            out = m.decode({s: [int(np.argmax(out[s]))] for s in range(n)})
+        together[n] = max(together.get(n, 0.0), n * gen / (time.perf_counter() - t))
+print(json.dumps({"s_per_token": best, "decode_tokens_per_s": together}))
 m.close()
 """
 
@@ -145,13 +155,16 @@ def server_per_token(http: httpx.Client, a: argparse.Namespace) -> float:
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
-def engine_per_token(gguf: Path, a: argparse.Namespace) -> float:
+def engine_child(gguf: Path, a: argparse.Namespace) -> dict:
+    """The engine's own loop: s_per_token of one generation (the same prompt as server_per_token),
+    and decode_tokens_per_s of 1, 4 and 8 sequences decoding together (no server)."""
+    prompts = [_prompt(7, a.prompt)] + [_prompt(500 + i, a.prompt) for i in range(7)]
     r = subprocess.run([sys.executable, "-c", ENGINE_CHILD, str(gguf), str(a.threads), str(a.gen),
-                        json.dumps(_prompt(7, a.prompt)), str(a.repeats)], cwd=REPO, capture_output=True, text=True,
+                        json.dumps(prompts), str(a.repeats)], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=TIMEOUT)
     if r.returncode:
         raise SystemExit(f"error: the engine loop failed: {r.stderr.strip()[-400:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["s_per_token"]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def measure(gguf: Path, a: argparse.Namespace) -> dict:
@@ -175,10 +188,15 @@ def measure(gguf: Path, a: argparse.Namespace) -> dict:
     base = best[min(a.clients)]["tokens_per_s"]
     rows = [{**best[n], "ratio_to_1": best[n]["tokens_per_s"] / base} for n in a.clients]
     cache = min(caches, key=lambda c: c["ratio"])
-    engine = engine_per_token(gguf, a)
+    engine = engine_child(gguf, a)
+    together = {int(n): v for n, v in engine["decode_tokens_per_s"].items()}
+    for row in rows:
+        row["engine_decode_ratio_to_1"] = together[row["clients"]] / together[1]
     server = min(per_token)
     return {"clients": rows, "cache": cache, "cache_rounds": caches, "server_exit_code": code,
-            "overhead": {"server_s_per_token": server, "engine_s_per_token": engine, "overhead": server / engine - 1}}
+            "engine_decode_tokens_per_s": together,
+            "overhead": {"server_s_per_token": server, "engine_s_per_token": engine["s_per_token"],
+                         "overhead": server / engine["s_per_token"] - 1}}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -188,7 +206,8 @@ def plot(result: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     rows = result["clients"]
     n = [r["clients"] for r in rows]
-    left.plot(n, [r["ratio_to_1"] for r in rows], "o-", label="measured")
+    left.plot(n, [r["ratio_to_1"] for r in rows], "o-", label="server, streaming clients")
+    left.plot(n, [r["engine_decode_ratio_to_1"] for r in rows], "s--", label="engine alone, decode steps")
     left.plot([4, 8], [2.5, 4], "x", label="goal")
     left.set(xlabel="concurrent streaming clients", ylabel="aggregate tokens/s, ratio to 1 client", xticks=n)
     left.legend()
@@ -207,7 +226,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens of each client")
     ap.add_argument("--gen", type=int, default=32, help="tokens each client generates")
-    ap.add_argument("--history-words", type=int, default=700, help="words of the first turn (~1,000 tokens)")
+    ap.add_argument("--history-words", type=int, default=350,
+                    help="words of the first turn (~1,100 tokens with the template on the bench model's tokenizer)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path, default=RESULTS / "server.json")
     a = ap.parse_args()
