@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -180,11 +180,12 @@ async def _generate(server: Server, request: Request, chat: bool) -> Response:
     engine = server.need_engine()
     body = protocol.check_object(await server.body(request))
     tok = engine.model.tokenizer
+    params = protocol.gen_request(body, [], chat, tok.eos_id)  # every field checked before any tokenizing
     if chat:
         prompt = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok)
     else:
         prompt = await run_in_threadpool(protocol.completion_prompt, body, tok)
-    gen = protocol.gen_request(body, prompt, chat, tok.eos_id)
+    gen = replace(params, prompt=prompt)
     n_ctx = engine.model.n_ctx
     if len(prompt) >= n_ctx:
         raise ApiError(400, EXCEED_CONTEXT, f"the request exceeds the available context size: the prompt is "
