@@ -35,7 +35,7 @@ def _complete(url: str, body: dict, out: dict, key) -> None:
     out[key] = httpx.post(url + "/v1/completions", json=body, timeout=WAIT_S).json()
 
 
-def test_eight_clients_at_once_each_get_their_solo_reply(server):
+def _eight_at_once(server: LiveServer) -> None:
     solo = {}
     for i in range(8):
         _complete(server.url, _body(i), solo, i)
@@ -55,6 +55,21 @@ def test_eight_clients_at_once_each_get_their_solo_reply(server):
     steps = server.engine.stats.n_decode - decodes
     longest = 3 + 7 + -(-max(len(p) for p in PROMPTS) // 8)  # prompts in chunks of -b 8, then one token a step
     assert steps <= longest + 2, f"{steps} steps: the requests did not decode together"
+
+
+def test_eight_clients_at_once_each_get_their_solo_reply(server):
+    _eight_at_once(server)
+
+
+def test_eight_clients_at_once_on_k31pro_with_dsa(k31pro_tiny_gguf):
+    """The same on K3.1-Pro with its DSA indexer (top_k 8: the selection is sparse for these
+    lengths), each request's selection over its own cache rows."""
+    dsa = LiveServer(k31pro_tiny_gguf, "-np", 8, "-c", 8 * 256, "--exact-experts", "-b", 8,
+                     "--override-kv", "kimi-k3.attention.indexer.top_k=int:8")
+    try:
+        _eight_at_once(dsa)
+    finally:
+        dsa.close()
 
 
 def test_a_client_that_disconnects_frees_its_slot_at_the_next_step(server):
