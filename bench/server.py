@@ -93,9 +93,9 @@ def _prompt(i: int, n: int) -> list[int]:
     return [(31 * i + 7 * k) % 900 + 1 for k in range(n)]
 
 
-def _stream(http: httpx.Client, path: str, body: dict) -> tuple[float, float, int]:
-    """(seconds to the first chunk with text, seconds to the end, completion tokens)."""
-    t, first, usage = time.perf_counter(), None, 0
+def _stream(http: httpx.Client, path: str, body: dict) -> tuple[float, float, dict]:
+    """(seconds to the first chunk with text, seconds to the end, the usage)."""
+    t, first, usage = time.perf_counter(), None, {}
     with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -105,7 +105,7 @@ def _stream(http: httpx.Client, path: str, body: dict) -> tuple[float, float, in
                 raise SystemExit(f"error: the server answered {event['error']}")
             if first is None and event.get("choices"):
                 first = time.perf_counter() - t
-            usage = event.get("usage", {}).get("completion_tokens", usage)
+            usage = event.get("usage") or usage
     return first, time.perf_counter() - t, usage
 
 
@@ -123,7 +123,7 @@ def clients(http: httpx.Client, n: int, a: argparse.Namespace, round_: int) -> d
     for th in threads:
         th.join()
     seconds = time.perf_counter() - t
-    tokens = sum(r[2] for r in out)
+    tokens = sum(r[2]["completion_tokens"] for r in out)
     return {"clients": n, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
@@ -135,11 +135,11 @@ def second_turn(http: httpx.Client, a: argparse.Namespace, round_: int) -> dict:
     turn = first + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
                     {"role": "user", "content": "Say it again, shorter."}]
     body = {"messages": turn, "max_tokens": 2, "temperature": 0}
-    cached_ttft, _, _ = _stream(http, "/v1/chat/completions", body)
-    fresh_ttft, _, _ = _stream(http, "/v1/chat/completions", {**body, "cache_prompt": False})
-    check = http.post("/v1/chat/completions", json={**body, "max_tokens": 1}).json()["usage"]
-    return {"history_tokens": r["usage"]["prompt_tokens"], "turn_tokens": check["prompt_tokens"],
-            "cached_tokens": check["prompt_tokens_details"]["cached_tokens"],
+    cached_ttft, _, cached = _stream(http, "/v1/chat/completions", body)
+    fresh_ttft, _, fresh = _stream(http, "/v1/chat/completions", {**body, "cache_prompt": False})
+    return {"history_tokens": r["usage"]["prompt_tokens"], "turn_tokens": cached["prompt_tokens"],
+            "cached_tokens": cached["prompt_tokens_details"]["cached_tokens"],
+            "fresh_cached_tokens": fresh["prompt_tokens_details"]["cached_tokens"],
             "ttft_cached_s": cached_ttft, "ttft_fresh_s": fresh_ttft, "ratio": cached_ttft / fresh_ttft}
 
 
