@@ -95,7 +95,7 @@ def test_a_client_that_never_reads_holds_up_nobody(server):
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
     s.connect(server.service.sock.getsockname())
-    body = json.dumps({"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+    body = json.dumps({"prompt": "Once", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
                        "stream": True, "logprobs": 5}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
