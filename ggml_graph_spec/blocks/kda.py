@@ -1,5 +1,5 @@
-"""Kimi Delta Attention (k3-spec D.2): short convolutions, L2-normed q/k, the gated delta rule
-over the layer's recurrent state, and the gated output norm.
+"""Kimi Delta Attention (docs/reference/forward.md#kda): short convolutions, L2-normed q/k, the gated
+delta rule over the layer's recurrent state, and the gated output norm.
 
 Layout (ggml `ne` order): x [n_embd, T] over every token of the micro-batch; q, k, v
 [head_dim, heads, T]; the conv states [K-1, P, n_seq] and the recurrent states
@@ -27,18 +27,25 @@ def _l2_norm_heads(g: GraphBuild, x: Tensor, head_dim: int) -> Tensor:
     return ggml.ggml_scale(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps / head_dim), head_dim ** -0.5)
 
 
+def _consecutive(group: RunGroup) -> bool:
+    """The group's sequences are s, s+1, ...: their planes are one view, no gather or scatter (a
+    server's slots decoding together usually are)."""
+    seqs = group.seqs
+    return seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
 def _load_planes(g: GraphBuild, state: Tensor, group: RunGroup) -> Tensor:
-    """The group's planes of a state [..., n_seq], flat [plane, m]: a view for one sequence (as a
-    single-sequence graph always did), a gather for several."""
-    if len(group.runs) == 1:
-        return g.plane(state, group.runs[0].seq)
+    """The group's planes of a state [..., n_seq], flat [plane x m]: a view when the sequences are
+    consecutive (one sequence always is, as a single-sequence graph always read it), else gathered."""
+    if _consecutive(group):
+        return g.plane(state, group.seqs[0], len(group.runs))
     return g.gather_planes(state, group.seqs)
 
 
 def _store_planes(g: GraphBuild, state: Tensor, src: Tensor, group: RunGroup) -> None:
     """Write the group's new planes (src, plane elements x m) back into the state."""
-    if len(group.runs) == 1:
-        dst = g.plane(state, group.runs[0].seq)
+    if _consecutive(group):
+        dst = g.plane(state, group.seqs[0], len(group.runs))
         src = ggml.ggml_cont(g.ctx, src) if not ggml.ggml_is_contiguous(src) else src
         g.expand(ggml.ggml_cpy(g.ctx, ggml.ggml_reshape_1d(g.ctx, src, ggml.ggml_nelements(src)), dst))
     else:
@@ -95,8 +102,8 @@ def _delta_rule(g: GraphBuild, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor,
         cols = _tokens(g, ggml.ggml_reshape_2d(c, t, t.contents.ne[0] * H, g.n_tokens), group)
         return ggml.ggml_reshape_4d(c, cols, t.contents.ne[0], H, T, m)
     s0 = ggml.ggml_reshape_4d(c, _load_planes(g, state, group), S, S, H, m)
-    # The op scales q by 1/sqrt(S) itself (docs/reference/findings.md) and returns
-    # [outputs | final states].
+    # The op scales q by 1/sqrt(S) itself and returns [outputs | final states]
+    # (docs/reference/findings.md#ggml-ops-from-python).
     out = ggml.ggml_gated_delta_net(c, seqs(q), seqs(k), seqs(v), seqs(gate), seqs(beta), s0, 1)
     elem = ggml.ggml_element_size(out)
     _store_planes(g, state, ggml.ggml_view_2d(c, out, S * S * H, m, S * S * H * elem, S * H * T * m * elem), group)
@@ -104,7 +111,8 @@ def _delta_rule(g: GraphBuild, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor,
 
 
 def build_kda(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
-    """Kimi Delta Attention on the normed input x [n_embd, T] -> [n_embd, T] (D.2)."""
+    """Kimi Delta Attention on the normed input x [n_embd, T] -> [n_embd, T]
+    (docs/reference/forward.md#kda)."""
     c, kda, T = g.ctx, g.cfg.kda, g.n_tokens
     S, H, P = kda.head_dim, kda.num_heads, kda.proj_dim
     groups = g.ubatch.groups

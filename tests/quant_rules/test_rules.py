@@ -45,7 +45,7 @@ def test_protected_tensors_keep_contract_types(tiny, case):
     indexer = [d for d in res.decisions if d.name.endswith(INDEXER_PROJECTIONS)]
     assert len(indexer) == 3 * 4  # 4 DSA layers in the fixture
     for d in indexer:
-        want = Q.F32 if d.name.endswith("indexer.proj.weight") else Q.BF16  # contract section 5
+        want = Q.F32 if d.name.endswith("indexer.proj.weight") else Q.BF16  # docs/reference/gguf.md#indexer-tensors
         assert d.final_type == want and d.rule.startswith("protected: indexer-"), d
 
 
