@@ -168,7 +168,7 @@ def _together(server: LiveServer, bodies: list[dict]) -> list[dict]:
 
 def test_fast_path_concurrent_replies_stay_within_the_engine_bound_of_the_solo_ones(k3_tiny_gguf):
     """The fast path rounds activations after each matmul, and a single decoding column takes
-    another kernel than a batch (engine.md; the head's matmul too, on each request's last
+    another kernel than a batch (docs/engine.md; the head's matmul too, on each request's last
     column): a concurrent reply is within the engine's bound of its solo run, not equal. While
     the tokens agree, each log-probability is within 2 x (2 x FAST_BOUND_SHORT): every logit
     within twice the bound (test_sequences), and a log-probability moves by at most twice its
