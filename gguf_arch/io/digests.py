@@ -88,7 +88,10 @@ class TensorHasher:
 
     def __init__(self, threads: int = 1) -> None:
         self._digests: list[TensorDigest] = []
-        self._threads = threads
+        # Half the workers: the other stages (reads, repack, scan, writes) run beside the hash on
+        # their own threads, and one core hashes ~4.5 GB/s. On 2 cores blake3's thread pool would
+        # only add its threads (+12 MiB RSS measured) to two cores already busy.
+        self._threads = max(1, threads // 2)
         self._worker = SerialWorker(HASH_AHEAD)
 
     def wrap(self, chunks_for: Callable) -> Callable:
