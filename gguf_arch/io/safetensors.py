@@ -26,6 +26,7 @@ from ..errors import CheckpointError
 from .direct_io import DIRECT_READ_MIN, open_direct, pread_direct
 from .jsonfile import NotRegularFile, open_regular, read_json
 from .pipeline import ahead
+from .residency import Residency
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own limit on the JSON header; a larger length field means a corrupt file.
@@ -270,6 +271,7 @@ class Checkpoint:
         self.stamps = stamps or {}
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}  # the same shards read around the page cache
+        self._residency: dict[str, Residency] = {}  # which of their ranges are cached: read through it
 
     @property
     def metas(self) -> dict[str, TensorMeta]:
@@ -281,10 +283,16 @@ class Checkpoint:
             fd = self._fds[shard] = open_regular(self.model_dir / shard)
         return fd
 
-    def _direct_fd(self, shard: str) -> int | None:
+    def _direct_fd(self, shard: str, offset: int, nbytes: int) -> int | None:
+        """The O_DIRECT descriptor for a large read, None for a small one or one the page cache
+        holds whole (`residency`: O_DIRECT would read those bytes from the device again)."""
+        if nbytes < DIRECT_READ_MIN:
+            return None
         if shard not in self._direct_fds:
             self._direct_fds[shard] = open_direct(self._fd(shard), self.model_dir / shard)
-        return self._direct_fds[shard]
+            self._residency[shard] = Residency(self._fd(shard))
+        direct = self._direct_fds[shard]
+        return None if direct is None or self._residency[shard].cached(offset, nbytes) else direct
 
     def read_range(self, e: TensorEntry, first: int, count: int) -> np.ndarray:
         """Elements [first, first + count) of the tensor, flat, in a new read-only array; a short
@@ -302,7 +310,7 @@ class Checkpoint:
         return buf
 
     def _read(self, shard: str, offset: int, count: int, dt: np.dtype) -> np.ndarray:
-        direct = self._direct_fd(shard) if count * dt.itemsize >= DIRECT_READ_MIN else None
+        direct = self._direct_fd(shard, offset, count * dt.itemsize)
         if direct is not None:
             try:
                 return np.frombuffer(pread_direct(direct, offset, count * dt.itemsize), dt)
@@ -341,11 +349,14 @@ class Checkpoint:
         return self.entries[name].meta.dtype, self.array(name)
 
     def close(self) -> None:
+        for residency in self._residency.values():
+            residency.close()
         for fd in [*self._fds.values(), *self._direct_fds.values()]:
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
         self._direct_fds.clear()
+        self._residency.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self
