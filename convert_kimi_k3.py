@@ -21,7 +21,6 @@ from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_fi
 from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
 from gguf_arch.io.console import ArgumentParser, cpu_count
-from gguf_arch.io.heap import keep_freed_buffers
 from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
@@ -156,7 +155,6 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def _main(argv: list[str] | None) -> None:
     args = _arguments(argv)
-    keep_freed_buffers()
     _run(args, (lambda _msg: None) if args.quiet else print)
 
 

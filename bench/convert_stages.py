@@ -114,10 +114,7 @@ def _write(scratch: Path, nbytes: int) -> float:
 
 
 def stage_costs(model: Path, gguf: Path, scratch: Path) -> dict:
-    """CPU seconds and CPU seconds per GB of each stage (the shards should be in the page cache),
-    with malloc set as the converter sets it."""
-    from gguf_arch.io.heap import keep_freed_buffers
-    keep_freed_buffers()
+    """CPU seconds and CPU seconds per GB of each stage (the shards should be in the page cache)."""
     nbytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     cpu = {"write": _write(scratch, gguf.stat().st_size), "read": _read(model)}
     produce = _produce(model)
