@@ -21,7 +21,7 @@ from ..io.pipeline import Lookahead
 from ..io.safetensors import open_checkpoint
 from ..io.split import SplitLimits, split_layout
 from ..io.split_names import part_path
-from .finite import NonFiniteCheck
+from .finite import checked_chunks
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
 from .preflight import check_free_space
 from .progress import Progress
@@ -41,7 +41,7 @@ class OutputOptions:
     log_json: Path | None = None  # one JSON progress line per tensor
     export_rules: Path | None = None  # the llama-quantize rules for this conversion's types
     allow_non_finite: bool = False  # write NaN/inf values with a warning instead of refusing them
-    threads: int = 1  # worker threads per stage (-j): experts repacked, shard reads in flight
+    threads: int = 1  # worker threads per stage (-j): experts repacked, shard reads in flight, scan
 
     @property
     def read_ahead(self) -> int:
@@ -96,15 +96,14 @@ def _first_name(out: Path, split: SplitLimits) -> OutputFile:
     return OutputFile(part_path(out, 1, 1) if split.splits else out, empty, 0)
 
 
-def _write_files(files: list[OutputFile], source_chunks, progress: Progress, check: NonFiniteCheck, replace: bool,
+def _write_files(files: list[OutputFile], source_chunks, progress: Progress, output: OutputOptions, replace: bool,
                  log, done: list[OutputFile]) -> None:
-    """Each file streamed (scanned and hashed on the way), renamed into place, then its manifest;
-    one file at a time."""
+    """Each file streamed, renamed into place, then its manifest; one file at a time."""
     for f in files:
-        with TensorHasher() as hasher:
-            chunks_for, close_bar = progress.track(f.path, f.layout, source_chunks)
+        with TensorHasher(output.threads) as hasher:
+            chunks_for, close_bar = progress.track(f.path, f.layout, hasher.wrap(source_chunks))
             try:
-                write_gguf(f.path, f.layout, chunks_for, replace, sinks=(check, hasher))
+                write_gguf(f.path, f.layout, chunks_for, replace)
             finally:
                 close_bar()
             write_manifest(f.path, hasher.digests, replace)
@@ -133,13 +132,14 @@ def plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOpt
 
 
 def source_chunks_for(p: _Planned, ckpt, output: OutputOptions, log) -> Callable[[OutputTensor], Iterator]:
-    """Each output tensor's final bytes (what the writer pulls)."""
+    """Each output tensor's final bytes, scanned for non-finite values (what the writer pulls)."""
     by_name = {o.output.name: o.tensor for o in p.plan.outputs}
     decided = {d.name: d for d in p.types.decisions}
 
     def source_chunks(t: OutputTensor) -> Iterator:
-        d = decided[t.name]
-        return final_chunks(d, tensor_chunks(by_name[t.name], d.contract_type, ckpt.read, output.repack_ahead), log)
+        d, pt = decided[t.name], by_name[t.name]
+        chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read, output.repack_ahead), log)
+        return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite, output.threads)
     return source_chunks
 
 
@@ -152,9 +152,7 @@ def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> 
                         log_json=output.log_json, replace=replace)
     done: list[OutputFile] = []
     try:
-        check = NonFiniteCheck({o.output.name: o.tensor.sources[0][0] for o in p.plan.outputs},
-                               output.allow_non_finite)
-        _write_files(p.todo, source_chunks, progress, check, replace, log, done)
+        _write_files(p.todo, source_chunks, progress, output, replace, log, done)
     except (KeyboardInterrupt, Interrupted) as exc:
         raise Interrupted.from_exc(exc, left_behind(p.files, p.todo, done)) from None
     finally:

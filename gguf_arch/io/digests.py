@@ -77,42 +77,35 @@ HASH_AHEAD = 2
 
 
 class TensorHasher:
-    """Each tensor's BLAKE3 digest, from its bytes as the writer streams them out.
+    """Wraps the writer's `chunks_for` so each tensor's bytes are hashed (BLAKE3) as they stream past.
 
-    A writer's sink (`gguf_writer.Sink`: `begin`, `update`, `end` on the writer's thread, on
-    slices it has in the CPU's cache), or, for a writer without sinks, `wrap` around its
-    `chunks_for`: the hashing then runs on one thread of its own, in chunk order (blake3 releases
-    the GIL), so it overlaps the production of the next chunk; a tensor's digest is taken on that thread after its last chunk, not waited for.
-    `digests` waits for every tensor handed out so far."""
+    The hashing runs on one thread of its own for the whole file, in chunk order (blake3 releases
+    the GIL, and spreads a large update over `threads` cores), so it overlaps the production of
+    the next chunk and of the next tensor: a tensor's digest is taken on that thread after its
+    last chunk, not waited for. `digests` waits for every tensor handed out so far."""
 
     algorithm = BLAKE3
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self._digests: list[TensorDigest] = []
+        # Half the workers: the other stages (reads, repack, scan, writes) run beside the hash on
+        # their own threads, and one core hashes ~4.5 GB/s. On 2 cores blake3's thread pool would
+        # only add its threads (+12 MiB RSS measured) to two cores already busy.
+        self._threads = max(1, threads // 2)
         self._worker = SerialWorker(HASH_AHEAD)
-        self._hash: Hash | None = None
-        self._n = 0
-
-    def begin(self, t) -> None:
-        # One thread: the slices a sink sees are too small for blake3's thread pool to pay off,
-        # and the hash already runs beside the other stages (one core hashes ~4.5 GB/s).
-        self._hash, self._n = new_hash(self.algorithm), 0
-
-    def update(self, data) -> None:
-        self._hash.update(data)
-        self._n += memoryview(data).nbytes
-
-    def end(self, t) -> None:
-        self._digests.append(TensorDigest(t.name, t.ggml_type.name, self._n, self._hash.hexdigest()))
 
     def wrap(self, chunks_for: Callable) -> Callable:
         def hashed(t) -> Iterator:
-            self._worker.submit(self.begin, t)
+            h, n = new_hash(self.algorithm, self._threads), 0
             for chunk in chunks_for(t):
-                self._worker.submit(self.update, chunk)
+                self._worker.submit(h.update, chunk)
+                n += memoryview(chunk).nbytes
                 yield chunk
-            self._worker.submit(self.end, t)
+            self._worker.submit(self._record, t, n, h)
         return hashed
+
+    def _record(self, t, n: int, h: Hash) -> None:
+        self._digests.append(TensorDigest(t.name, t.ggml_type.name, n, h.hexdigest()))
 
     @property
     def digests(self) -> list[TensorDigest]:

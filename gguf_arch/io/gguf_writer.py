@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
@@ -114,60 +114,24 @@ def _pad(fout, alignment: int) -> None:
     fout.write(b"\0" * (-fout.tell() % alignment))
 
 
-# Chunks handed to the writer thread and not yet written (at most 2 x 16 MiB).
+# Chunks handed to the writer thread and not yet written (at most 2 x 64 MiB, mostly page-cache views).
 WRITE_AHEAD = 2
-# On the writer's thread each chunk is cut into slices of this size, and every sink and the write
-# take a slice in turn: the slice is read from memory once and then found in the CPU's cache
-# (measured here: BLAKE3 0.16 CPU-s per GB from the cache, 0.23-0.24 from memory).
-SLICE_BYTES = 256 << 10
 
 
-class Sink(Protocol):
-    """Sees every tensor's bytes on their way to the file, in order (a digest, a check): `begin`,
-    `update` with consecutive slices, `end`. An exception from one ends the write."""
-
-    def begin(self, t: OutputTensor) -> None: ...
-
-    def update(self, data: memoryview) -> None: ...
-
-    def end(self, t: OutputTensor) -> None: ...
-
-
-def _consume(fout, sinks: Sequence[Sink], chunk) -> None:
-    if not sinks:
-        fout.write(chunk)
-        return
-    view = memoryview(chunk).cast("B")
-    for start in range(0, len(view), SLICE_BYTES):
-        part = view[start:start + SLICE_BYTES]
-        for sink in sinks:
-            sink.update(part)
-        fout.write(part)
-
-
-def _each(sinks: Sequence[Sink], method: str, t: OutputTensor) -> None:
-    for sink in sinks:
-        getattr(sink, method)(t)
-
-
-def _write_data(fout, layout: GGUFLayout, alignment: int, chunks_for: Callable[[OutputTensor], Iterable],
-                sinks: Sequence[Sink] = ()) -> None:
+def _write_data(fout, layout: GGUFLayout, alignment: int, chunks_for: Callable[[OutputTensor], Iterable]) -> None:
     """Tensor bytes in layout order, each padded to `alignment` (the header already is).
 
-    The writes and the sinks run on a thread of their own (the copies, the digest and the scan
-    release the GIL), so the next chunk is produced (read, repacked) while the previous one is
-    checked, hashed and copied out.
+    The writes run on a thread of their own (a large write releases the GIL), so the next chunk is
+    produced (repacked, hashed, faulted in from the shard) while the previous one is copied out.
     """
     with SerialWorker(WRITE_AHEAD) as writer:
         for t in layout.tensors:
             written = 0
-            writer.submit(_each, sinks, "begin", t)
             for chunk in chunks_for(t):
-                writer.submit(_consume, fout, sinks, chunk)
+                writer.submit(fout.write, chunk)
                 written += memoryview(chunk).nbytes
             if written != t.nbytes:
                 raise ValueError(f"{t.name}: produced {written} bytes, planned {t.nbytes}")
-            writer.submit(_each, sinks, "end", t)
             writer.submit(fout.write, b"\0" * (-t.nbytes % alignment))
         writer.drain()
 
@@ -182,9 +146,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor], Iterable],
-               overwrite: bool = False, sinks: Sequence[Sink] = ()) -> None:
-    """Write `layout` to `out`, pulling each tensor's bytes from `chunks_for` in layout order; each
-    of `sinks` sees them on the way."""
+               overwrite: bool = False) -> None:
+    """Write `layout` to `out`, pulling each tensor's bytes from `chunks_for` in layout order."""
     out = Path(out)
     check_existing(out, overwrite)
     tmp = partial_path(out)
@@ -196,7 +159,7 @@ def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor
     with removed_on_failure(tmp, out):
         with fout, SequentialWriter(fout.fileno()) as w:
             w.write(header)
-            _write_data(w, layout, GGUF_DEFAULT_ALIGNMENT, chunks_for, sinks)
+            _write_data(w, layout, GGUF_DEFAULT_ALIGNMENT, chunks_for)
             w.finish()
         check_existing(out, overwrite)
         os.replace(tmp, out)
