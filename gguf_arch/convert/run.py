@@ -107,7 +107,7 @@ def _write_files(files: list[OutputFile], source_chunks, progress: Progress, out
             finally:
                 close_bar()
             write_manifest(f.path, hasher.digests, replace)
-        done.append(f)
+            done.append(f)  # before the hashing thread is joined: a stop from here on sees it complete
         log(f"wrote {f.path}")
 
 
