@@ -89,14 +89,32 @@ def test_the_command_line_as_documented(converted):
     assert res.rc == 2 and "--verify takes OUT.gguf MODEL_DIR" in res.err
 
 
-def test_one_flipped_bit_in_a_tensor(converted, tmp_path, capsys):
-    gguf = _copy(converted, tmp_path)
+def _blake3_copy(converted: Path, tmp_path: Path) -> Path:
+    return _copy(converted, tmp_path)
+
+
+def _sha256_copy(converted: Path, tmp_path: Path) -> Path:
+    """The GGUF with only the manifest an earlier converter wrote for it (SHA-256, version 1)."""
+    gguf = tmp_path / "old.gguf"
+    shutil.copyfile(converted, gguf)
+    write_legacy_manifest(gguf)
+    return gguf
+
+
+MANIFESTS = pytest.mark.parametrize("copy, hash_name", [(_blake3_copy, "BLAKE3"), (_sha256_copy, "SHA256")],
+                                    ids=["blake3", "sha256-v1"])
+
+
+@MANIFESTS
+def test_one_flipped_bit_in_a_tensor(converted, tmp_path, capsys, copy, hash_name):
+    gguf = copy(converted, tmp_path)
     _flip(gguf, "blk.5.ffn_down_exps.weight", 1000, 1)
-    _fails(capsys, gguf, "tensor blk.5.ffn_down_exps.weight: BLAKE3 digest differs")
+    _fails(capsys, gguf, f"tensor blk.5.ffn_down_exps.weight: {hash_name} digest differs")
 
 
-def test_a_changed_metadata_byte(converted, tmp_path, capsys):
-    gguf = _copy(converted, tmp_path)
+@MANIFESTS
+def test_a_changed_metadata_byte(converted, tmp_path, capsys, copy, hash_name):
+    gguf = copy(converted, tmp_path)
     reader = GGUFReader(gguf, "r+")
     part = reader.fields["general.name"].parts[-1]  # the string's bytes
     part[0] ^= 0x20
@@ -228,37 +246,15 @@ def test_a_later_part_is_not_a_starting_point(split, capsys):
 
 # ---- manifests written before BLAKE3 (version 1: SHA-256, <file>.sha256.json) ----------------
 
-def _legacy_copy(converted: Path, tmp_path: Path) -> Path:
-    """The GGUF with only the manifest an earlier converter wrote for it."""
-    gguf = tmp_path / "old.gguf"
-    shutil.copyfile(converted, gguf)
-    write_legacy_manifest(gguf)
-    return gguf
-
-
 def test_a_gguf_with_a_sha256_manifest_verifies(converted, tmp_path, capsys):
     """The output bytes did not change with the hash: a SHA-256 manifest made from today's GGUF
     by hashlib alone matches what the verifier recomputes."""
-    gguf = _legacy_copy(converted, tmp_path)
+    gguf = _sha256_copy(converted, tmp_path)
     m = read_manifest(gguf)
     assert m.hash == "sha256" and len(m.tensors) == len(read_manifest(converted).tensors)
     rc, out, err = _verify(capsys, gguf)
     assert rc == 0 and err == "", err
     assert f"all {len(m.tensors)} tensors match" in out
-
-
-def test_a_flipped_bit_against_a_sha256_manifest(converted, tmp_path, capsys):
-    gguf = _legacy_copy(converted, tmp_path)
-    _flip(gguf, "blk.5.ffn_down_exps.weight", 1000, 1)
-    _fails(capsys, gguf, "tensor blk.5.ffn_down_exps.weight: SHA256 digest differs")
-
-
-def test_a_changed_header_against_a_sha256_manifest(converted, tmp_path, capsys):
-    gguf = _legacy_copy(converted, tmp_path)
-    reader = GGUFReader(gguf, "r+")
-    reader.fields["general.name"].parts[-1][0] ^= 0x20
-    reader.data.flush()
-    _fails(capsys, gguf, "header (metadata or tensor infos) differs")
 
 
 def test_the_blake3_manifest_is_read_when_both_are_there(converted, tmp_path, capsys):
@@ -278,7 +274,7 @@ def test_the_blake3_manifest_is_read_when_both_are_there(converted, tmp_path, ca
     (lambda doc: {**doc, "tensors": [[*doc["tensors"][0][:3], "0" * 64], *doc["tensors"][1:]]}, "SHA256 digest differs"),
 ], ids=["bad-header-digest", "unknown-format", "wrong-digest"])
 def test_a_damaged_sha256_manifest(converted, tmp_path, capsys, damage, needle):
-    gguf = _legacy_copy(converted, tmp_path)
+    gguf = _sha256_copy(converted, tmp_path)
     legacy = gguf.with_name(gguf.name + ".sha256.json")
     legacy.write_text(json.dumps(damage(json.loads(legacy.read_text()))))
     _fails(capsys, gguf, needle)
