@@ -15,7 +15,10 @@ shared with bench/graph.py), fast path, --threads threads:
   budget    the same decode under --mem-budget at a third of the GGUF (a child process per count,
             1 and 4 sequences): bytes read per generated token, from the executor's counters (the
             streamed trunks and the missed experts) and from /proc/self/io (what reached the disk);
-            with 4 sequences one step's reads serve four tokens.
+            with 4 sequences one step's reads serve four tokens. On the memory benchmark's model
+            (bench/memory.py: the real expert shapes, 17.5 MB an MXFP4 expert, 32 experts of which a
+            token uses 4, a small trunk; ~3.9 GB): the graph model's layers are 2.3 GB each, and a
+            budget holds two layer slots at least, so a third of it does not run at all.
   caches    the cache bytes per sequence and token of context (the MLA latent and the indexer
             keys) and per sequence (the KDA states), as SequenceCache reports them, against the
             formula from the config; the run stops if they differ.
@@ -40,12 +43,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.graph import cpu_features, prepare  # noqa: E402
+from bench.memory import _model as memory_model  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 
 BUDGET_CHILD = """
-import json, sys, time, numpy as np
+import json, sys, time, numpy as np  # noqa: E401
 from ggml_graph_spec.engine.model import Model
 from ggml_graph_spec.engine.options import LoadOptions
 gguf, budget, n, steps, prompt, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \\
@@ -122,7 +126,7 @@ def budget_rows(gguf: Path, a: argparse.Namespace) -> list[dict]:
         if r.returncode:
             raise SystemExit(f"error: the budget run with {n} sequence(s) failed: {r.stderr.strip()[-400:]}")
         s = json.loads(r.stdout.strip().splitlines()[-1])
-        rows.append({"sequences": n, "tokens_per_s": n * a.steps / s["s"], "mem_budget": budget,
+        rows.append({"sequences": n, "tokens_per_s": n * a.steps / s["s"], "mem_budget": budget, "model": gguf.name,
                      "bytes_needed_per_token": s["needed"], "bytes_read_per_token": s["read"]})
         print(f"  budget {budget >> 20} MiB, {n} sequence(s): {s['needed'] / 2**20:.1f} MiB needed per token",
               file=sys.stderr)
@@ -165,7 +169,7 @@ def main() -> None:
     dsa, _no_dsa = prepare(a.workdir)
     print(f"speed on {dsa.name}, {a.threads} threads", file=sys.stderr)
     rows, caches = speed(dsa, a)
-    budget = [] if a.no_budget else budget_rows(dsa, a)
+    budget = [] if a.no_budget else budget_rows(memory_model(a.workdir / "memory"), a)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpu": cpu_features(), "arch": platform.machine(),
               "cores": os.cpu_count(), "load_average": os.getloadavg()},
               "model": dsa.name, "threads": a.threads, "prompt": a.prompt, "steps": a.steps, "repeats": a.repeats,

@@ -91,8 +91,8 @@ def test_text_and_mmproj_in_one_run(tmp_path, k31pro_tiny_dir, k31pro_tiny_gguf,
     assert _convert(k31pro_tiny_dir, text, "--mmproj", mm) == 0
     assert text.read_bytes() == k31pro_tiny_gguf.read_bytes()
     assert mm.read_bytes() == k31pro_tiny_mmproj.read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.sha256.json", "mm.gguf",
-                                                          "mm.gguf.sha256.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.manifest.json", "mm.gguf",
+                                                          "mm.gguf.manifest.json"]
 
 
 def test_resume_keeps_a_finished_mmproj(tmp_path, k31pro_tiny_dir, capsys):
@@ -100,7 +100,7 @@ def test_resume_keeps_a_finished_mmproj(tmp_path, k31pro_tiny_dir, capsys):
     assert _convert(k31pro_tiny_dir, tmp_path / "m.gguf", "--mmproj", mm) == 0
     before = mm.stat().st_mtime_ns
     assert convert_kimi_k3.main([str(k31pro_tiny_dir), str(tmp_path / "m.gguf"), "--mmproj", str(mm), "--resume"]) == 0
-    assert f"{mm}: finished earlier, verified against mm.gguf.sha256.json; kept" in capsys.readouterr().out
+    assert f"{mm}: finished earlier, verified against mm.gguf.manifest.json; kept" in capsys.readouterr().out
     assert mm.stat().st_mtime_ns == before
 
 
@@ -118,7 +118,7 @@ def test_diff_and_verify_cover_the_mmproj(tmp_path, k31pro_tiny_dir, k31pro_tiny
     diff = run_tool("diff", k31pro_tiny_dir, bad)
     assert diff.rc == 1 and "v.blk.1.ffn_down.weight  MISMATCH" in diff.out
     verified = run_cli("--verify", bad, k31pro_tiny_dir)
-    assert verified.rc == 1 and "bad.gguf.sha256.json" in verified.err  # no manifest for the copy
+    assert verified.rc == 1 and "bad.gguf.manifest.json" in verified.err  # no manifest for the copy
 
 
 def test_text_options_never_touch_the_mmproj(tmp_path, k31pro_tiny_dir, k31pro_tiny_mmproj):
