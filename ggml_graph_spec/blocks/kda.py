@@ -27,18 +27,25 @@ def _l2_norm_heads(g: GraphBuild, x: Tensor, head_dim: int) -> Tensor:
     return ggml.ggml_scale(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps / head_dim), head_dim ** -0.5)
 
 
+def _consecutive(group: RunGroup) -> bool:
+    """The group's sequences are s, s+1, ...: their planes are one view, no gather or scatter (a
+    server's slots decoding together usually are)."""
+    seqs = group.seqs
+    return seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
 def _load_planes(g: GraphBuild, state: Tensor, group: RunGroup) -> Tensor:
-    """The group's planes of a state [..., n_seq], flat [plane, m]: a view for one sequence (as a
-    single-sequence graph always did), a gather for several."""
-    if len(group.runs) == 1:
-        return g.plane(state, group.runs[0].seq)
+    """The group's planes of a state [..., n_seq], flat [plane x m]: a view when the sequences are
+    consecutive (one sequence always is, as a single-sequence graph always read it), else gathered."""
+    if _consecutive(group):
+        return g.plane(state, group.seqs[0], len(group.runs))
     return g.gather_planes(state, group.seqs)
 
 
 def _store_planes(g: GraphBuild, state: Tensor, src: Tensor, group: RunGroup) -> None:
     """Write the group's new planes (src, plane elements x m) back into the state."""
-    if len(group.runs) == 1:
-        dst = g.plane(state, group.runs[0].seq)
+    if _consecutive(group):
+        dst = g.plane(state, group.seqs[0], len(group.runs))
         src = ggml.ggml_cont(g.ctx, src) if not ggml.ggml_is_contiguous(src) else src
         g.expand(ggml.ggml_cpy(g.ctx, ggml.ggml_reshape_1d(g.ctx, src, ggml.ggml_nelements(src)), dst))
     else:

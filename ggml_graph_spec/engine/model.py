@@ -36,9 +36,10 @@ from ..weights.loader import GGUFWeights, load_gguf
 from ..weights.overrides import apply_overrides, tokenizer_settings
 from ..weights.repack import resolve_repack
 from . import memory
+from .inputs import EvalError, check_input, embedded, recorded, take
 from .options import LoadOptions
 from .results import WANTS, EvalResult, collect, join_results
-from .sequences import EvalError, Sequences
+from .sequences import Sequences
 
 # Graph nodes a run adds beyond a single-sequence graph, per layer (its attention, masks, views).
 _NODES_PER_RUN_LAYER = 96
@@ -144,7 +145,7 @@ class Model(Sequences):
 
     @property
     def n_ubatch(self) -> int:
-        """The most tokens one graph computes (-ub, at most -b)."""
+        """The most positions one graph computes (-ub, at most -b)."""
         return self.options.n_ubatch_eff
 
     @property
@@ -208,17 +209,18 @@ class Model(Sequences):
         self.cache.reset()
         self._tokens = [[] for _ in range(self.n_seq)]
 
-    def decode(self, batch: Mapping[int, Sequence[int]] | Sequence[tuple[int, Sequence[int]]],
+    def decode(self, batch: Mapping[int, Sequence[int] | np.ndarray] | Sequence[tuple[int, Sequence[int] | np.ndarray]],
                logits: str = "last") -> dict[int, np.ndarray]:
-        """Append each sequence's new tokens and compute, in one graph per micro-batch of at most
-        n_batch tokens. logits "last": seq -> [vocab] of its last token; "all": seq -> [n, vocab].
-        Everything is checked first: on an error no sequence has changed."""
+        """Append each sequence's new input and compute, in one graph per micro-batch of at most
+        n_ubatch positions. An input is token ids, or embedding rows float32 [n, n_embd] in place
+        of token embeddings (engine/inputs.py). logits "last": seq -> [vocab] of its last position;
+        "all": seq -> [n, vocab]. Everything is checked first: on an error no sequence has changed."""
         items = list(batch.items()) if isinstance(batch, Mapping) else list(batch)
         todo = self._check_batch(items)
         out: dict[int, list[np.ndarray]] = {seq: [] for seq, _ in todo}
         step = self.n_ubatch
         while todo:
-            chunk, todo = _take(todo, step)
+            chunk, todo = take(todo, step)
             for seq, rows in self._run_ubatch(chunk, logits == "all").items():
                 out[seq].append(rows)
         return {seq: (np.concatenate(parts) if logits == "all" else parts[-1][-1]) for seq, parts in out.items()}
@@ -249,17 +251,12 @@ class Model(Sequences):
         if len(set(seqs)) != len(seqs):
             raise EvalError(f"a sequence appears twice in one batch: {seqs}")
         out = []
-        for seq, tokens in zip(seqs, (t for _, t in items)):
-            ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-            if ids.size == 0:
-                raise EvalError(f"no tokens to evaluate for sequence {seq}")
-            bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
-            if bad.size:
-                raise EvalError(f"token id {int(bad[0])} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
-            if self.cache.pos[seq] + ids.size > self.n_ctx:
-                raise EvalError(f"context full: {self.cache.pos[seq]} cached + {ids.size} new tokens > n_ctx "
+        for seq, value in zip(seqs, (v for _, v in items)):
+            x = check_input(seq, value, self.cfg)
+            if self.cache.pos[seq] + len(x) > self.n_ctx:
+                raise EvalError(f"context full: {self.cache.pos[seq]} cached + {len(x)} new tokens > n_ctx "
                                 f"{self.n_ctx}" + (f" (sequence {seq})" if self.n_seq > 1 else ""))
-            out.append((seq, ids.astype(np.int32)))
+            out.append((seq, x))
         return out
 
     def _graph(self, ubatch: UBatch, want: frozenset = frozenset()):
@@ -271,32 +268,31 @@ class Model(Sequences):
         size += len(self.cfg.mla_layers) * sum(attention_nodes(self.cfg, self.exact, r, self.top_k) for r in ubatch.runs)
         return self.executor.graph(size, make)
 
-    def _compute(self, ubatch: UBatch, tokens: np.ndarray, out_ids: np.ndarray | None, want: frozenset):
-        """Build, place and compute one micro-batch's graph; (g, logits tensor) inside the graph's
-        context (the caller reads before leaving it)."""
+    def _compute(self, ubatch: UBatch, values: dict[int, np.ndarray], out_ids: np.ndarray | None,
+                 want: frozenset):
+        """The micro-batch's forward builder, its memory planned first where the executor wants it."""
         def forward(g):
             ids = None if out_ids is None else g.input("out_ids", I32, (len(out_ids),), out_ids)
-            return build_forward(g, self.weights, g.input("tokens", I32, (len(tokens),), tokens), ids)
+            return build_forward(g, self.weights, out_ids=ids, embedded=embedded(g, self.weights, ubatch, values))
         if want or self.executor.wants_plan:  # a fresh memory plan (Executor.plan and wants_plan say why)
             with self._graph(ubatch, want) as g:
                 self.executor.plan(g, [forward(g)])
         return forward
 
-    def _run_single(self, seq: int, ids: np.ndarray, want: frozenset) -> EvalResult:
-        ubatch = UBatch([(seq, self.cache.pos[seq], len(ids))])
-        forward = self._compute(ubatch, ids, None, want)
+    def _run_single(self, seq: int, x: np.ndarray, want: frozenset) -> EvalResult:
+        ubatch = UBatch([(seq, self.cache.pos[seq], len(x))])
+        forward = self._compute(ubatch, {seq: x}, None, want)
         with self._graph(ubatch, want) as g:
             logits = forward(g)
             self.executor.compute(g, [logits])
             result = collect(g, self._finite(self.executor.read(logits)), self.executor.read)
-        self._advance(ubatch, {seq: ids})
+        self._advance(ubatch, {seq: x})
         return result
 
     def _run_ubatch(self, chunk: list[tuple[int, np.ndarray]], all_logits: bool) -> dict[int, np.ndarray]:
-        ubatch = UBatch([(seq, self.cache.pos[seq], len(ids)) for seq, ids in chunk])
-        tokens = ubatch.layout(dict(chunk))
+        ubatch = UBatch([(seq, self.cache.pos[seq], len(x)) for seq, x in chunk])
         out_ids = None if all_logits else np.asarray(ubatch.last_columns(), np.int32)
-        forward = self._compute(ubatch, tokens, out_ids, frozenset())
+        forward = self._compute(ubatch, dict(chunk), out_ids, frozenset())
         with self._graph(ubatch) as g:
             logits = forward(g)
             self.executor.compute(g, [logits])
@@ -306,10 +302,10 @@ class Model(Sequences):
             return {r.seq: rows[i:i + 1] for i, r in enumerate(ubatch.runs)}
         return {r.seq: rows[r.offset:r.offset + r.n_tokens] for r in ubatch.runs}
 
-    def _advance(self, ubatch: UBatch, tokens: dict[int, np.ndarray]) -> None:
+    def _advance(self, ubatch: UBatch, values: dict[int, np.ndarray]) -> None:
         for r in ubatch.runs:
             self.cache.pos[r.seq] += r.n_tokens
-            self._tokens[r.seq].extend(int(t) for t in tokens[r.seq])
+            self._tokens[r.seq].extend(recorded(values[r.seq]))
 
     def _finite(self, logits: np.ndarray) -> np.ndarray:
         """A NaN or infinite logit is an error, never a sampled token or a perplexity of nan: finite
@@ -331,16 +327,3 @@ class Model(Sequences):
             self._backend.close()
         self.weights.close()
 
-
-def _take(todo: list[tuple[int, np.ndarray]], budget: int) -> tuple[list, list]:
-    """The next micro-batch: up to `budget` tokens, as many sequences as fit, a long run cut
-    (its rest goes on in the next one); and what is left."""
-    chunk, rest = [], []
-    for seq, ids in todo:
-        n = min(len(ids), budget)
-        if n:
-            chunk.append((seq, ids[:n]))
-            budget -= n
-        if n < len(ids):
-            rest.append((seq, ids[n:]))
-    return chunk, rest

@@ -7,14 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gguf_arch.errors import KimiError
 from gguf_arch.io.atomic import write_atomically
 
 from . import state as st
-
-
-class EvalError(KimiError):
-    """A request the loaded model cannot serve (token ids, sequence ids, context length)."""
+from .inputs import EvalError
 
 
 class Sequences:

@@ -226,10 +226,10 @@ class GraphBuild:
         # The last dimension is the sequence (cache.py); ggml_n_dims would skip it at n_seq 1.
         return ggml.ggml_nelements(state_tensor) // self.cache.n_seq
 
-    def plane(self, state_tensor, seq: int):
-        """Sequence seq's plane of a state, as a flat view [elements of a plane]."""
+    def plane(self, state_tensor, seq: int, count: int = 1):
+        """The planes of sequences seq .. seq+count-1 of a state, as one flat view (no copy)."""
         n = self._plane_elems(state_tensor)
-        return ggml.ggml_view_1d(self.ctx, state_tensor, n, seq * n * ggml.ggml_element_size(state_tensor))
+        return ggml.ggml_view_1d(self.ctx, state_tensor, n * count, seq * n * ggml.ggml_element_size(state_tensor))
 
     def gather_planes(self, state_tensor, seqs: list[int]):
         """The planes of `seqs`, in that order: [elements of a plane, len(seqs)] (a copy)."""

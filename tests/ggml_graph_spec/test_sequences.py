@@ -306,3 +306,106 @@ def test_load_options_for_sequences_are_checked(k31pro_tiny_gguf):
         Model.load(k31pro_tiny_gguf, n_ctx=64, n_seq=0)
     with pytest.raises(Exception, match=r"-c 3 over -np 4 sequences gives each 0 tokens"):
         Model.load(k31pro_tiny_gguf, n_ctx=3, n_seq=4)
+
+
+# ---- the other backends ------------------------------------------------------------------------
+
+def _mixed_run(gguf, **kw) -> dict:
+    m = Model.load(gguf, _options("k31pro", False, "gather", n_seq=3, **kw))
+    try:
+        m.decode({2: _prompts(1)[2]})
+        return _greedy(m, _prompts(), steps=3)
+    finally:
+        m.close()
+
+
+def test_a_mixed_batch_under_a_memory_budget_equals_the_unlimited_one(k31pro_tiny_gguf):
+    """The streaming executor reads the experts the whole batch selects (the union) once a step
+    and computes from the same bytes: the same logits bit for bit at half the file."""
+    unlimited = _mixed_run(k31pro_tiny_gguf)
+    budget = _mixed_run(k31pro_tiny_gguf, mem_budget=k31pro_tiny_gguf.stat().st_size // 2)
+    for s in unlimited:
+        np.testing.assert_array_equal(budget[s], unlimited[s], err_msg=f"sequence {s}")
+
+
+def test_a_mixed_batch_over_rpc_equals_the_local_one(k31pro_tiny_gguf):
+    """Each sequence's caches live on its layers' devices (a plane per sequence there too)."""
+    from tests.support.rpc_servers import RpcServers
+    local = _mixed_run(k31pro_tiny_gguf)
+    with RpcServers(2) as servers:
+        remote = _mixed_run(k31pro_tiny_gguf, rpc=servers.endpoints, tensor_split="1,1,1")
+    for s in local:
+        np.testing.assert_array_equal(remote[s], local[s], err_msg=f"sequence {s}")
+
+
+# ---- what the caches take ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("exact,n_seq", [(False, 1), (False, 3), (True, 2)])
+def test_cache_bytes_per_token_and_sequence_are_the_formula(k31pro_tiny_gguf, exact, n_seq):
+    from gguf_arch.io.console import human_size
+    from ggml_graph_spec.runner.summary import summary
+    m = Model.load(k31pro_tiny_gguf, _options("k31pro", exact, "gather", n_seq=n_seq))
+    try:
+        cfg, kda = m.cfg, m.cfg.kda
+        latent = len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (4 if exact else 2)
+        indexer = len(cfg.indexer.layers) * cfg.indexer.head_dim * 4
+        states = len(kda.layers) * 4 * (3 * (kda.conv_kernel - 1) * kda.proj_dim + kda.head_dim ** 2 * kda.num_heads)
+        assert m.cache.bytes_per_token() == {"latent": latent, "indexer": indexer}
+        assert m.cache.bytes_per_sequence() == states
+        want = n_seq * (states + N_CTX_SEQ * (latent + indexer))
+        n_tensors = 4 * len(kda.layers) + 2 * len(cfg.mla_layers)
+        assert want <= m.cache.nbytes(m.executor.backend) <= want + 64 * n_tensors  # each tensor aligned
+        line = next(x for x in summary(m) if x.startswith("print_info: caches "))
+        kind = "f32" if exact else "f16"
+        assert line.endswith(f"latent {kind} {human_size(latent)}, indexer keys f32 {human_size(indexer)} per token of "
+                             f"context; KDA states {human_size(states)} per sequence; {human_size(want)} for "
+                             f"{n_seq} x {N_CTX_SEQ} tokens")
+    finally:
+        m.close()
+
+
+def test_a_batch_over_n_batch_goes_through_in_micro_batches_with_the_reference_logits(k31pro_tiny_gguf,
+                                                                                      k31pro_tiny_dir):
+    """96 + 12 prompt tokens, 16 a graph: the long prompt is cut over seven micro-batches, the
+    first of which also holds the short one; each sequence's logits are the reference's."""
+    ref = load_reference(k31pro_tiny_dir)
+    m = Model.load(k31pro_tiny_gguf, LoadOptions(n_ctx=2 * N_CTX_SEQ, n_seq=2, exact_experts=True, n_batch=16,
+                                                 n_threads=2))
+    try:
+        out = m.decode({1: ref["input_ids_short"], 0: ref["input_ids_long"]}, logits="all")
+        assert_logits(out[0], ref["logits_long"], "long prompt in micro-batches")
+        assert_logits(out[1], ref["logits_short"], "short prompt beside it")
+        assert m.seq_pos(0) == 96 and m.seq_pos(1) == 12
+    finally:
+        m.close()
+
+
+# ---- embedding rows in place of tokens (images) ----------------------------------------------
+
+def _token_rows(gguf, ids) -> np.ndarray:
+    """The token embedding rows of ids as F32 (what get_rows makes of the GGUF's table)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    t = next(t for t in GGUFReader(gguf).tensors if t.name == "token_embd.weight")
+    return dequantize(t.data, t.tensor_type).reshape(-1, t.shape[0])[ids].astype(np.float32)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_embedding_rows_in_a_mixed_batch_are_the_tokens_they_embed(k31pro_tiny_gguf, exact):
+    """Sequence 1 is fed as embedding rows (the token table's own rows of its prompt), beside
+    sequence 0's tokens: the logits are those of the tokens, bit for bit, and the history records
+    each row as EMBEDDING_POS."""
+    from ggml_graph_spec.engine.inputs import EMBEDDING_POS
+    prompts = _prompts()
+    rows = _token_rows(k31pro_tiny_gguf, prompts[1])
+    m = Model.load(k31pro_tiny_gguf, _options("k31pro", exact, "gather", n_seq=3))
+    try:
+        as_rows = m.decode({0: prompts[0], 1: rows, 2: prompts[1]}, logits="all")
+        np.testing.assert_array_equal(as_rows[1], as_rows[2])
+        assert m.seq_tokens(1) == [EMBEDDING_POS] * len(rows) and m.seq_tokens(2) == prompts[1]
+        with pytest.raises(EvalError, match=r"embedding rows for sequence 1 must be \[n >= 1, 64\]"):
+            m.decode({1: rows[:, :8]})
+        with pytest.raises(EvalError, match="non-finite"):
+            m.decode({1: np.full_like(rows, np.nan)})
+    finally:
+        m.close()
