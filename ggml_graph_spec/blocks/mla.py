@@ -257,6 +257,8 @@ def build_mla(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """Gated NoPE MLA of layer `w.layer` (DSA-masked when `g.dsa_top_k` says so): [n_embd, T]."""
     c = g.cfg
     ctx, T = g.ctx, g.n_tokens
+    if g.wants("attn_input"):  # what the indexer and the projections read (an independent check's input)
+        g.record("attn_input", w.layer, x)
     cq = q_lora_latent(g, w, x)
     q = absorbed_query(g, w, cq)
     rows = latent_row(g, w, x)  # [kv_lora + rope, T]
