@@ -9,8 +9,9 @@ from pathlib import Path
 
 import ggml
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
-from bench import op_profile
 from ggml_graph_spec.backends.cpu import Executor
 from ggml_graph_spec.blocks import mla
 from ggml_graph_spec.engine import state as st
@@ -24,7 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 TEXTS = sorted((REPO / "tests" / "fixtures" / "text").glob("*.txt"))
 NOISE = 0.05
 KINDS = ("indexer q.k", "indexer sum over heads", "top-k and masks", "attention", "rest")
-_NUMPY = {"f16": np.float16, "f32": np.float32}
+# gguf-py's own encoders of each cache type (the bytes ggml's rows hold)
+_ENCODE = {"f32": lambda r: r.astype(np.float32), "f16": lambda r: r.astype(np.float16),
+           "bf16": lambda r: quantize(r, GGMLQuantizationType.BF16),
+           "q8_0": lambda r: quantize(r, GGMLQuantizationType.Q8_0)}
 
 
 def text_tokens(m: Model, n: int) -> list[int]:
@@ -42,8 +46,9 @@ def load(gguf: Path, path: str, n_ctx: int, threads: int, top_k: int, **kw) -> M
 
 
 def prefill(gguf: Path, n: int, threads: int) -> st.SeqState:
-    """The fast path's state after n tokens of text (default options: F16 caches, gathered DSA)."""
-    m = Model.load(gguf, n_ctx=n, n_threads=threads, repack=False)
+    """The fast path's state after n tokens of text, with F32 caches (every cache type is made
+    from these rows: bench/long_context.py)."""
+    m = Model.load(gguf, n_ctx=n, n_threads=threads, repack=False, cache_type_k="f32", cache_type_indexer="f32")
     try:
         m.decode({0: text_tokens(m, n)})
         return st.decode(m.state_get(0), "prefill")
@@ -52,17 +57,18 @@ def prefill(gguf: Path, n: int, threads: int) -> st.SeqState:
 
 
 def long_state(m: Model, base: st.SeqState, n: int, seed: int = 0) -> bytes:
-    """A state of n tokens for m: the base rows, then copies with noise (the bench's docstring)."""
+    """A state of n tokens for m: the base rows, then copies with noise (the bench's docstring),
+    in m's cache types."""
     rng = np.random.default_rng(seed)
     types, parts = m.options.cache_types(), []
     for kind, data in base.parts:
         if kind == "indexer" and not m.cache.with_indexer:
             continue
         if kind in ("latent", "indexer"):
-            rows = np.frombuffer(data, np.float16).reshape(len(base.tokens), -1).astype(np.float32)
+            rows = np.frombuffer(data, np.float32).reshape(len(base.tokens), -1)
             copies = [rows] + [rows + NOISE * rows.std(1, keepdims=True) * rng.standard_normal(rows.shape, np.float32)
                                for _ in range(-(-n // len(rows)) - 1)]
-            data = np.concatenate(copies)[:n].astype(_NUMPY[types[kind]]).tobytes()
+            data = np.ascontiguousarray(_ENCODE[types[kind]](np.concatenate(copies)[:n])).tobytes()
         parts.append((kind, data))
     tokens = (base.tokens * (-(-n // len(base.tokens))))[:n]
     cache_types = {"latent": types["latent"], "indexer": types["indexer"] if m.cache.with_indexer else None}
@@ -70,14 +76,17 @@ def long_state(m: Model, base: st.SeqState, n: int, seed: int = 0) -> bytes:
 
 
 def decode_times(models: dict, steps: int) -> dict:
-    """Wall-clock seconds of `steps` greedy decode steps per model, the models taking turns."""
-    times: dict = {p: [] for p in models}
+    """Seconds of `steps` greedy decode steps per model (one thread each), the models taking
+    turns: {"cpu": the calling thread's CPU time, which on one thread is the whole step (graph
+    build and compute) and which other processes' load does not inflate; "wall": wall clock}."""
+    times: dict = {p: {"cpu": [], "wall": []} for p in models}
     nxt = {p: 1 for p in models}
     for _ in range(steps):
         for p, m in models.items():
-            t = time.perf_counter()
+            c, t = time.thread_time(), time.perf_counter()
             logits = m.decode({0: [nxt[p]]})[0]
-            times[p].append(time.perf_counter() - t)
+            times[p]["wall"].append(time.perf_counter() - t)
+            times[p]["cpu"].append(time.thread_time() - c)
             nxt[p] = int(logits.argmax())
     return times
 
@@ -114,18 +123,13 @@ def _profiled(m: Model, records: list) -> None:
         Executor._run = plain
 
 
-def op_split(m: Model, n: int, base: st.SeqState, runs: int = 3) -> dict:
+def op_split(m: Model, n: int, runs: int = 3) -> dict:
     """The per-op CPU time of one decode step at context n on one thread (the fastest of `runs`
     per node), by op and by kind; the indexer's share of the step."""
-    threads = m.options.n_threads
-    ggml.ggml_backend_cpu_set_n_threads(m.executor.backend, 1)
     records: list = []
-    try:
-        for _ in range(runs):
-            m.cache.pos[0] = n  # the same step each time: the context does not grow
-            _profiled(m, records)
-    finally:
-        ggml.ggml_backend_cpu_set_n_threads(m.executor.backend, threads)
+    for _ in range(runs):
+        m.cache.pos[0] = n  # the same step each time: the context does not grow
+        _profiled(m, records)
     best = [min(r[i][2] for r in records) for i in range(len(records[0]))]
     ops: dict = {}
     kinds: dict = {k: 0.0 for k in KINDS}
@@ -175,10 +179,14 @@ def layer_prefill(gguf: Path, base: st.SeqState, prompt: int, n: int, top_k: int
 
 # ---- cache types ----------------------------------------------------------------------------------
 
-def _teacher_forced(gguf: Path, ids: list[int], top_k: int, threads: int, latent: str, indexer: str):
-    m = Model.load(gguf, n_ctx=len(ids), n_threads=threads, repack=False, top_k=top_k, cache_type_k=latent,
-                   cache_type_indexer=indexer)
+def _teacher_forced(gguf: Path, base: st.SeqState, n: int, ids: list[int], top_k: int, threads: int,
+                    latent: str, indexer: str):
+    """The logits and the DSA layer's selections of `ids` after an n-token context, caches of
+    the given types (the context's rows encoded in them, the chunk's written by the graph)."""
+    m = Model.load(gguf, n_ctx=n + len(ids), n_threads=threads, repack=False, top_k=top_k, cache_type_k=latent,
+                   cache_type_indexer=indexer, n_ubatch=len(ids))
     try:
+        m.state_set(0, long_state(m, base, n))
         r = m.run(ids, want=("index_selected",))
         return r.logits.astype(np.float64), r.index_selected[m.cfg.indexer.layers[0]]
     finally:
@@ -192,9 +200,9 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def _compare(base, other, top_k: int) -> dict:
     (lb, sb), (lo, so) = base, other
-    sparse = slice(top_k, None)  # positions that see more keys than top_k
-    same = [np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(sb[sparse], so[sparse])]
-    overlap = [len(np.intersect1d(a, b)) / top_k for a, b in zip(sb[sparse], so[sparse])]
+    rows = [(a[a >= 0], b[b >= 0]) for a, b in zip(sb, so)]  # the visible selected positions
+    same = [np.array_equal(np.sort(a), np.sort(b)) for a, b in rows]
+    overlap = [len(np.intersect1d(a, b)) / max(1, len(a)) for a, b in rows]
     pb, po = _log_softmax(lb), _log_softmax(lo)
     kl = (np.exp(pb) * (pb - po)).sum(1)
     return {"selection_identical": float(np.mean(same)), "selection_overlap": float(np.mean(overlap)),
@@ -202,20 +210,21 @@ def _compare(base, other, top_k: int) -> dict:
             "top1_agreement": float(np.mean(lb.argmax(1) == lo.argmax(1)))}
 
 
-def cache_types(gguf: Path, n: int, top_k: int, threads: int) -> dict:
-    """Every latent type (indexer F32) and every indexer type (latent F32) against F32 caches."""
+def cache_types(gguf: Path, base: st.SeqState, n: int, chunk: int, top_k: int, threads: int) -> dict:
+    """Every latent type (indexer F32) and every indexer type (latent F32) against F32 caches:
+    `chunk` tokens of text teacher-forced after an n-token context."""
     probe = Model.load(gguf, n_ctx=16, n_threads=threads, repack=False)
-    ids = text_tokens(probe, n)
+    ids = text_tokens(probe, chunk + 97)[97:]  # not the prefill's first tokens
     probe.close()
-    base = _teacher_forced(gguf, ids, top_k, threads, "f32", "f32")
+    f32 = _teacher_forced(gguf, base, n, ids, top_k, threads, "f32", "f32")
     configs = [(t, "f32") for t in LATENT_CACHE_TYPES[1:]] + [("f32", t) for t in INDEXER_CACHE_TYPES[1:]]
     configs.append(("f16", "f16"))  # the default
     out = {}
     for latent, indexer in configs:
         name = f"latent {latent}, indexer {indexer}"
-        out[name] = _compare(base, _teacher_forced(gguf, ids, top_k, threads, latent, indexer), top_k)
+        out[name] = _compare(f32, _teacher_forced(gguf, base, n, ids, top_k, threads, latent, indexer), top_k)
         print(f"  {name}: {out[name]}", file=sys.stderr, flush=True)
-    return {"tokens": n, "top_k": top_k, "positions_compared": n - top_k, "types": out}
+    return {"context": n, "tokens": chunk, "top_k": top_k, "types": out}
 
 
 def cache_bytes_per_1k(gguf: Path) -> dict:

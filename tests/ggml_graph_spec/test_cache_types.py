@@ -129,6 +129,19 @@ def test_a_bad_cache_type_or_batch_is_one_line(k31pro_tiny_gguf, fields, message
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_cli_flags_make_the_load_options():
+    from ggml_graph_spec.runner.args import load_options
+    from ggml_graph_spec.runner.cli import build_parser
+    a = build_parser().parse_args(["-m", "m.gguf", "-b", "256", "-ub", "64", "-ctk", "q8_0", "--cache-type-indexer", "bf16"])
+    o = load_options(a)
+    assert (o.n_batch, o.n_ubatch, o.n_ubatch_eff, o.cache_type_k, o.cache_type_indexer) == (256, 64, 64, "q8_0", "bf16")
+    o = load_options(build_parser().parse_args(["-m", "m.gguf", "-b", "32"]))
+    assert (o.n_batch, o.n_ubatch, o.n_ubatch_eff) == (32, 512, 32)  # llama.cpp: -ub at most -b
+    assert o.cache_types() == {"latent": "f16", "indexer": "f16"}
+    assert load_options(build_parser().parse_args(["-m", "m.gguf", "--exact-experts"])).cache_types() == \
+        {"latent": "f32", "indexer": "f32"}
+
+
 def test_the_cli_refuses_a_bad_type_and_a_context_beyond_memory_with_exit_2(k31pro_tiny_gguf):
     r = run_runner("-m", k31pro_tiny_gguf, "-p", "x", "-n", "1", "-ctk", "q4_0")
     assert r.returncode == 2 and r.stderr == "error: --cache-type-k 'q4_0': expected one of f32, f16, bf16, q8_0\n"
