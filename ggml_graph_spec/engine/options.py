@@ -26,9 +26,10 @@ from ..graph.build import DSA_PATHS
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py (docs/bench/graph.md): attention kernel 0.41-0.96x of masked on the
-# fast path, 0.07-0.21x on the exact one at 1k-128k contexts; whole-model decode 0.90-0.99x at
-# 1k-8k. Prefill is its cost: equal on that model's 512-token prompt, 13% slower on the tiny
-# model's 2k-8k prompts (bench/dsa_batches.py).
+# fast path, 0.07-0.21x on the exact one at 1k-128k contexts; and in bench/long_context.py at
+# K3.1-Pro's widths (docs/bench/long_context.md): decode 0.90x of masked at 128k, the DSA layer's
+# prefill 2.2x (8k prompt) and 3.7x (32k) as fast. Only at tiny widths, where flash attention
+# over the whole cache is cheap, is a gathered prefill slower (bench/dsa_batches.py).
 DEFAULT_DSA_PATH = "gather"
 DEFAULT_CTX = 4096  # llama.cpp's -c default
 

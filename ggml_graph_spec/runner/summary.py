@@ -56,7 +56,7 @@ def summary(model: Model) -> list[str]:
             f" per sequence, {model.n_seq} sequences" if model.n_seq > 1 else "")),
         ("tensor types", ", ".join(f"{n} {k}" for k, n in sorted(types.items()))),
         ("path", "exact (F32 activations, F32 caches)" if model.exact else "fast (as llama.cpp: quantized "
-                 "activations for quantized weights, F16 latent cache)"),
+                 f"activations for quantized weights, {model.cache.latent_type_name.upper()} latent cache)"),
         ("ggml CPU", f"llamafile sgemm {'on' if ggml.ggml_cpu_has_llamafile() else 'off (slower prompt batches)'}; "
                      + (f"{len(w.repacked)} expert tensors repacked ({human_size(w.repacked_bytes)})"
                         if w.repacked else "weights mapped from the file, none repacked")
