@@ -1,5 +1,5 @@
 """K3.1-Pro DSA: the lightning indexer and its top-k selection as an attention mask
-(contract k31pro-format.md sections 3-4: NoPE, so no RoPE and no Hadamard rotation).
+(docs/reference/dsa.md, Indexer math and Caches: NoPE, so no RoPE and no Hadamard rotation).
 
 The selection is a 0 / -inf mask over the run's cache rows, added to the causal mask; the masked
 path runs attention over the whole latent cache with it (as llama.cpp does), the gathered path
@@ -42,7 +42,7 @@ def indexer_key(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
 
 def head_weights(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
     """w = (indexer.proj x) * H_I^-0.5 * D_I^-0.5, ne [H_I, T], the two factors applied in the
-    contract's order."""
+    order of docs/reference/dsa.md#indexer-math."""
     ix = g.cfg.indexer
     ctx = g.ctx
     hw = g.mm(w(INDEXER_PROJ), x)

@@ -20,7 +20,8 @@ from .moe import build_moe, predict_experts
 
 
 def build_forward(g: GraphBuild, weights: GGUFWeights, tokens=None, out_ids=None, embedded=None):
-    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head (D.4, D.7).
+    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head
+    (docs/reference/forward.md, AttnRes and Output head).
 
     tokens: I32 [T] input; or embedded: the input columns [n_embd, T] already made (token
     embeddings with embedding rows in their places, engine/inputs.py). out_ids: I32 [n], the

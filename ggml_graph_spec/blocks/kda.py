@@ -1,5 +1,5 @@
-"""Kimi Delta Attention (k3-spec D.2): short convolutions, L2-normed q/k, the gated delta rule
-over the layer's recurrent state, and the gated output norm.
+"""Kimi Delta Attention (docs/reference/forward.md#kda): short convolutions, L2-normed q/k, the gated
+delta rule over the layer's recurrent state, and the gated output norm.
 
 Layout (ggml `ne` order): x [n_embd, T] over every token of the micro-batch; q, k, v
 [head_dim, heads, T]; the conv states [K-1, P, n_seq] and the recurrent states
@@ -102,8 +102,8 @@ def _delta_rule(g: GraphBuild, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor,
         cols = _tokens(g, ggml.ggml_reshape_2d(c, t, t.contents.ne[0] * H, g.n_tokens), group)
         return ggml.ggml_reshape_4d(c, cols, t.contents.ne[0], H, T, m)
     s0 = ggml.ggml_reshape_4d(c, _load_planes(g, state, group), S, S, H, m)
-    # The op scales q by 1/sqrt(S) itself (docs/reference/findings.md) and returns
-    # [outputs | final states].
+    # The op scales q by 1/sqrt(S) itself and returns [outputs | final states]
+    # (docs/reference/findings.md#ggml-ops-from-python).
     out = ggml.ggml_gated_delta_net(c, seqs(q), seqs(k), seqs(v), seqs(gate), seqs(beta), s0, 1)
     elem = ggml.ggml_element_size(out)
     _store_planes(g, state, ggml.ggml_view_2d(c, out, S * S * H, m, S * S * H * elem, S * H * T * m * elem), group)
@@ -111,7 +111,8 @@ def _delta_rule(g: GraphBuild, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor,
 
 
 def build_kda(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
-    """Kimi Delta Attention on the normed input x [n_embd, T] -> [n_embd, T] (D.2)."""
+    """Kimi Delta Attention on the normed input x [n_embd, T] -> [n_embd, T]
+    (docs/reference/forward.md#kda)."""
     c, kda, T = g.ctx, g.cfg.kda, g.n_tokens
     S, H, P = kda.head_dim, kda.num_heads, kda.proj_dim
     groups = g.ubatch.groups

@@ -1,4 +1,4 @@
-"""Gated NoPE MLA in the absorbed form over a latent cache (k3-spec D.3 and E.5).
+"""Gated NoPE MLA in the absorbed form over a latent cache (docs/reference/forward.md, MLA and llama.cpp's graph).
 
 Layout (ggml `ne` order): x [n_embd, T] over every token of the micro-batch; per token the cache row is the normed
 latent c [kv_lora] followed by the raw k_pe [rope] (no norm, no rotation: K3 is NoPE, its

@@ -18,11 +18,11 @@ from typing import Any, Mapping, Sequence
 import ggml
 
 from gguf_arch.arch.config import K3Config
-from gguf_arch.errors import KimiError
 from gguf_arch.io.console import cpu_count
 
 from ..backends.streaming.budget import parse_size
 from ..graph.build import DSA_PATHS
+from .inputs import EvalError
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py (docs/bench/graph.md): attention kernel 0.41-0.96x of masked on the
@@ -50,7 +50,7 @@ DEFAULT_LATENT_TYPE = "f16"  # llama.cpp's -ctk default
 DEFAULT_INDEXER_TYPE = "f16"  # llama.cpp keeps the indexer keys in -ctk's type too
 
 
-class OptionError(KimiError):
+class OptionError(EvalError):
     """A load option the model cannot take (exit code 2)."""
 
 
@@ -87,7 +87,7 @@ class LoadOptions:
         if self.top_k is not None:
             _positive("top_k", self.top_k)
         if self.dsa_path is not None and self.dsa_path not in DSA_PATHS:
-            raise OptionError(f"--dsa-path must be one of {', '.join(DSA_PATHS)}, got {self.dsa_path!r}")
+            raise OptionError(f"--dsa-path (dsa_path) must be one of {', '.join(DSA_PATHS)}, got {self.dsa_path!r}")
         self._check_cache_types()
         self._check_placement()
         return self

@@ -1,7 +1,7 @@
 """Persistent per-sequence state of `n_seq` sequences, allocated once per model in one buffer per
 device.
 
-Per KDA layer (docs/reference/forward.md, KDA): three short-conv states (the last kernel-1
+Per KDA layer (docs/reference/dsa.md#caches): three short-conv states (the last kernel-1
 projected inputs of q, k and v) and the delta-rule state, F32, one plane per sequence (the last
 dimension). Per MLA layer: the latent cache (normed latent then k_pe per token; F32 on the exact
 path, F16 on the fast path by default), `n_ctx` rows per sequence. Per DSA layer: the indexer key

@@ -3,7 +3,7 @@ is compiled in (the converter checks it, the runner renders with it).
 
 A checkpoint that ships a template (`chat_template.jinja`, or `chat_template` in
 tokenizer_config.json) keeps its own. K3 ships none: Moonshot renders chats in Python. For it the
-converter writes `K3_CHAT_TEMPLATE`, written here for K3's chat format (k3-spec.md E.4), so that
+converter writes `K3_CHAT_TEMPLATE`, written here for K3's chat format (docs/reference/gguf.md#tokenizer), so that
 llama.cpp-style runtimes find a template where they look for one.
 
 K3's format ("XTML"): every element is `<|open|>NAME attr="value"...<|sep|> body <|close|>NAME<|sep|>`,

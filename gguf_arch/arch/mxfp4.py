@@ -1,4 +1,4 @@
-"""compressed-tensors `mxfp4-pack-quantized` <-> ggml `block_mxfp4`, as pure byte work (k3-spec C.2/C.3).
+"""compressed-tensors `mxfp4-pack-quantized` <-> ggml `block_mxfp4`, as pure byte work (docs/reference/mxfp4.md).
 
 Source, per expert matrix of logical shape [rows, cols]:
   weight_packed uint8 [rows, cols/2]: element 2i in the low nibble of byte i, 2i+1 in the high nibble;

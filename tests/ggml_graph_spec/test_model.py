@@ -78,7 +78,7 @@ def test_incremental_decode_equals_full_recompute(exact):
 
 def test_fast_path_stays_within_the_mxfp4_bound(fixture):
     """The fast path runs ggml's quantized kernels (MXFP4 experts with 8-bit activations, BF16
-    trunk matmuls with bf16-rounded activations). findings.md measured llama.cpp's same MXFP4
+    trunk matmuls with bf16-rounded activations). docs/reference/findings.md measured llama.cpp's same MXFP4
     path on k3-tiny at 1.55 (short) / 4.8 (long) max |logit diff| and 87/96 argmax; the random
     model amplifies the ~1% per-layer error over depth. The bounds leave ~1.5x headroom over
     those measurements while still failing any of the fixture's modelling mistakes of size >= 5

@@ -29,7 +29,7 @@ class Result:
 
 # The project's command-line tools, by the module whose main() each test runs.
 MODULES = {"convert": "convert_kimi_k3", "cli": "ggml_graph_spec.runner.cli", "diff": "gguf_arch.verify.diff",
-           "synth": "gguf_arch.synth.cli"}
+           "synth": "gguf_arch.synth.cli", "encode-images": "ggml_graph_spec.tools.encode_images"}
 # Any ggml context or weight buffer made in the child ends it with exit 99: a value reached ggml
 # before it was checked.
 NO_GGML = ("import os, ggml\n"

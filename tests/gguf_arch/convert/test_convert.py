@@ -100,7 +100,7 @@ def test_tensor_counts_and_types(converted):
     r = _reader(gguf)
     names = [t.name for t in r.tensors]
     assert names == [pt.name for pt in plan_tensors(cfg) if not pt.spec.optional]
-    assert len(names) == (369 if cfg.indexer else 353)  # 353: what llama.cpp's converter writes (findings.md)
+    assert len(names) == (369 if cfg.indexer else 353)  # 353: llama.cpp's converter (docs/reference/findings.md)
     ne = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
     for pt in plan_tensors(cfg):
         if pt.name in ne:
