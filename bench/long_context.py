@@ -60,6 +60,7 @@ from bench.plotting import pyplot  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PATHS = ("dense", "masked", "gather")
+GOAL_CONTEXT = 131072  # where the goals are set: gather <= 1.3x its 4k time, >= 3x faster than dense
 
 
 def decode_rows(a: argparse.Namespace, gguf: Path, base) -> list[dict]:
@@ -109,8 +110,8 @@ def plot(result: dict, path: Path) -> None:
         bottom += ms
     rest = [r["ops"]["gather"]["kinds_s"]["rest"] * 1e3 for r in rows]
     bx.set_ylabel("ms, one thread (CPU time)")
-    bx.set_title(f"gathered decode step: the attention layer's context-dependent ops "
-                 f"(the rest: {min(rest):.0f}-{max(rest):.0f} ms)", fontsize=10)
+    bx.set_title(f"gathered step: the ops that grow with the context (rest {min(rest):.0f}-{max(rest):.0f} ms)",
+                 fontsize=10)
     bx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -118,15 +119,16 @@ def plot(result: dict, path: Path) -> None:
 
 def report(result: dict) -> None:
     rows = result["rows"]
-    first, last = rows[0], rows[-1]
-    print(f"gather decode at {last['context']} / at {first['context']}: "
-          f"{last['gather_s_per_token'] / first['gather_s_per_token']:.2f} (goal <= 1.3); the graph's nodes alone: "
-          f"{last['ops']['gather']['total_s'] / first['ops']['gather']['total_s']:.2f}")
-    print(f"dense / gather at {last['context']}: {last['dense_s_per_token'] / last['gather_s_per_token']:.2f} "
-          f"(goal >= 3); masked / gather: {last['masked_s_per_token'] / last['gather_s_per_token']:.2f}")
-    print(f"indexer share of the gathered step at {last['context']}: {last['ops']['gather']['indexer_share']:.1%}")
-    for p, kinds in ((p, last["ops"][p]["kinds_s"]) for p in PATHS):
-        print(f"  {p:6s} " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in kinds.items()))
+    first = rows[0]
+    goal = next((r for r in rows if r["context"] == GOAL_CONTEXT), rows[-1])
+    for r in (goal, rows[-1]) if rows[-1] is not goal else (goal,):
+        n = r["context"]
+        print(f"at {n}: gather decode / at {first['context']}: {r['gather_s_per_token'] / first['gather_s_per_token']:.2f} "
+              f"(goal at {GOAL_CONTEXT}: <= 1.3); dense / gather: {r['dense_s_per_token'] / r['gather_s_per_token']:.2f} "
+              f"(goal >= 3); masked / gather: {r['masked_s_per_token'] / r['gather_s_per_token']:.2f}; the indexer's "
+              f"share of the gathered step: {r['ops']['gather']['indexer_share']:.1%}")
+        for p in PATHS:
+            print(f"  {p:6s} " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["ops"][p]["kinds_s"].items()))
     for prompt, r in result["prefill"].items():
         print(f"prefill {prompt} tokens, DSA layer alone: " + ", ".join(f"{p} {r[p]['tok_s']:.1f} tok/s" for p in PATHS))
     for name, r in result["cache_types"]["types"].items():
