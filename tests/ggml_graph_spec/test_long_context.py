@@ -6,7 +6,7 @@
   the same greedy tokens; on the fast path the greedy tokens are the same;
 * top_k at or above the context is dense MLA bit for bit at 4k;
 * at several positions of a 4k context, an independent numpy implementation of the contract's
-  indexer (k31pro-format.md section 3) on the cached keys selects what the graph selects;
+  indexer (docs/reference/dsa.md#indexer-math) on the cached keys selects what the graph selects;
 * a prefill cut into micro-batches of several sizes (-ub), or a micro-batch's attention cut into
   spans, gives the one-shot prefill's logits within LOGITS_ATOL.
 """
