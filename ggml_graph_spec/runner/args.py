@@ -99,10 +99,10 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_options(a: argparse.Namespace, **fields) -> LoadOptions:
     """The LoadOptions of a runner's parsed arguments (`fields`: what the runner sets itself,
-    such as n_seq), checked (LoadOptions.check)."""
-    return LoadOptions(
-        n_ctx=a.ctx_size, n_threads=a.threads, exact_experts=a.exact_experts, n_batch=a.batch_size,
-        n_ubatch=a.ubatch_size, cache_type_k=a.cache_type_k, cache_type_indexer=a.cache_type_indexer,
-        dsa=None if a.dsa is None else a.dsa == "on", dsa_path=a.dsa_path, repack=a.repack,
-        rpc=a.rpc or (), tensor_split=a.tensor_split, mem_budget=a.mem_budget,
-        overrides=dict(a.override_kv), **fields).check()
+    such as n_seq, over what was parsed), checked (LoadOptions.check)."""
+    parsed = dict(n_ctx=a.ctx_size, n_threads=a.threads, exact_experts=a.exact_experts, n_batch=a.batch_size,
+                  n_ubatch=a.ubatch_size, cache_type_k=a.cache_type_k, cache_type_indexer=a.cache_type_indexer,
+                  dsa=None if a.dsa is None else a.dsa == "on", dsa_path=a.dsa_path, repack=a.repack,
+                  rpc=a.rpc or (), tensor_split=a.tensor_split, mem_budget=a.mem_budget,
+                  overrides=dict(a.override_kv))
+    return LoadOptions(**{**parsed, **fields}).check()
