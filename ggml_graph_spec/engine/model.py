@@ -21,30 +21,31 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from gguf_arch.arch.keys import config_from_metadata
-from gguf_arch.io.atomic import write_atomically
 
 from ..backends.registry import Backend, BackendRequest, open_backend
 from ..backends.streaming.executor import StreamingExecutor
 from ..blocks.forward import build_forward, graph_size
 from ..graph import taps
 from ..graph.build import I32, GraphBuild
-from ..graph.cache import SequenceCache
+from ..blocks.mla import attention_nodes
+from ..graph.cache import SequenceCache, cache_sizes
 from ..graph.ubatch import UBatch
 from ..text.tokenizer import BPETokenizer
 from ..weights.identity import model_identity
 from ..weights.loader import GGUFWeights, load_gguf
 from ..weights.overrides import apply_overrides, tokenizer_settings
 from ..weights.repack import resolve_repack
-from . import state as st
+from . import memory
 from .inputs import EvalError, check_input, embedded, recorded, take
 from .options import LoadOptions
 from .results import WANTS, EvalResult, collect, join_results
+from .sequences import Sequences
 
 # Graph nodes a run adds beyond a single-sequence graph, per layer (its attention, masks, views).
 _NODES_PER_RUN_LAYER = 96
 
 
-class Model:
+class Model(Sequences):
     """A loaded GGUF plus the caches of its sequences. Not thread-safe: one caller at a time."""
 
     def __init__(self, weights: GGUFWeights, options: LoadOptions):
@@ -59,18 +60,48 @@ class Model:
             options.n_threads, self._graph_size, options.exact_experts, options.rpc, options.tensor_split,
             options.mem_budget, options.progress))
         try:
-            devices = self._backend.devices
-            self.cache = SequenceCache(
-                self.cfg, self.executor.backend, n_ctx=options.n_ctx_seq, n_seq=options.n_seq,
-                exact=options.exact_experts, with_indexer=options.dsa and self.cfg.indexer is not None,
-                layer_backends=devices and devices.layer_backends(self.executor.backend),
-                latent_type=options.latent_type(), indexer_type=options.indexer_type())
+            self._open_caches(options)
         except BaseException:
             self._backend.close()
             raise
         if isinstance(self.executor, StreamingExecutor):
             self.executor.attach(self.cache.nbytes(self.executor.backend))
         self._tokens: list[list[int]] = [[] for _ in range(options.n_seq)]
+
+    def _open_caches(self, options: LoadOptions) -> None:
+        """The caches, once the context is known to fit this host's memory, and the compute buffer
+        of the worst micro-batch reserved (engine/memory.py; the CPU backend's, whose memory is
+        this host's)."""
+        checked = self._backend.name == "cpu"
+        with_indexer = bool(options.dsa) and self.cfg.indexer is not None
+        sizes = cache_sizes(self.cfg, n_ctx=options.n_ctx_seq, n_seq=options.n_seq, latent_type=options.latent_type(),
+                            indexer_type=options.indexer_type(), with_indexer=with_indexer)
+        free = memory.free_bytes() if checked else None
+        memory.check_fits(options, sizes, None, free)
+        devices = self._backend.devices
+        self.cache = SequenceCache(
+            self.cfg, self.executor.backend, n_ctx=options.n_ctx_seq, n_seq=options.n_seq, exact=options.exact_experts,
+            with_indexer=with_indexer, layer_backends=devices and devices.layer_backends(self.executor.backend),
+            latent_type=options.latent_type(), indexer_type=options.indexer_type(), clear=False)
+        try:
+            if checked:
+                needs = {self._compute_bytes(u): u for u in memory.worst_ubatches(options)}
+                memory.check_fits(options, sizes, max(needs), free)
+                self._compute_bytes(needs[max(needs)], reserve=True)
+            self.cache.reset()
+        except BaseException:
+            self.cache.free()
+            raise
+
+    def _compute_bytes(self, ubatch: UBatch, reserve: bool = False) -> int:
+        """The compute buffer the graph of `ubatch` needs, every logit kept; reserve: allocate it now."""
+        with self._graph(ubatch) as g:
+            tokens = g.input("tokens", I32, (ubatch.n_tokens,), np.zeros(ubatch.n_tokens, np.int32))
+            out = build_forward(g, self.weights, tokens)
+            if reserve:
+                self.executor.plan(g, [out])
+                return 0
+            return self.executor.measure(g, [out])
 
     @classmethod
     def load(cls, path: Path | str, options: LoadOptions | None = None, **fields) -> "Model":
@@ -108,8 +139,14 @@ class Model:
         return self.options.dsa_path
 
     @property
-    def n_batch(self) -> int | None:
+    def n_batch(self) -> int:
+        """The most prompt tokens a generation step feeds (-b)."""
         return self.options.n_batch
+
+    @property
+    def n_ubatch(self) -> int:
+        """The most positions one graph computes (-ub, at most -b)."""
+        return self.options.n_ubatch_eff
 
     @property
     def top_k(self) -> int | None:
@@ -165,79 +202,6 @@ class Model:
         """A digest of the model as loaded (weights/identity.py): what a saved state must match."""
         return model_identity(self.weights)
 
-    # ---- sequences ---------------------------------------------------------------------------
-    def seq_pos(self, seq: int) -> int:
-        """Tokens sequence seq holds."""
-        return self.cache.pos[self._seq(seq)]
-
-    def seq_tokens(self, seq: int) -> list[int]:
-        """The tokens sequence seq holds, in order."""
-        return list(self._tokens[self._seq(seq)])
-
-    def seq_rm(self, seq: int) -> None:
-        """Forget sequence seq (llama.cpp's llama_memory_seq_rm of the whole sequence): its
-        caches are zeroed, the others untouched."""
-        seq = self._seq(seq)
-        self._write_state(seq, st.SeqState(self.identity, self._cache_types(), [], st.empty_parts(self.cache)))
-
-    def seq_cp(self, src: int, dst: int) -> None:
-        """Make dst a copy of src (a fork: both continue from src's tokens). A KDA layer's state
-        is the whole history folded into one matrix, so a sequence is copied whole, never a
-        part of it."""
-        self._write_state(self._seq(dst), self._read_state(self._seq(src)))
-
-    def state_get(self, seq: int) -> bytes:
-        """Sequence seq's state in the format of engine/state.py."""
-        return st.encode(self._read_state(self._seq(seq)))
-
-    def state_set(self, seq: int, data: bytes, where: str = "sequence state") -> int:
-        """Restore sequence seq from state_get's bytes (of this model, cache types and a fitting
-        length); StateError and nothing changed otherwise. Returns the tokens it holds."""
-        seq = self._seq(seq)
-        state = st.decode(data, where)
-        st.check_fits(state, self.cache, seq, self.identity, self._cache_types(), where)
-        self._write_state(seq, state)
-        return len(state.tokens)
-
-    def state_save(self, seq: int, path: Path | str) -> int:
-        """Write sequence seq's state to a file (whole or not at all); the bytes written."""
-        data = self.state_get(seq)
-        write_atomically(Path(path), lambda tmp: tmp.write_bytes(data))
-        return len(data)
-
-    def state_load(self, seq: int, path: Path | str) -> int:
-        """Restore sequence seq from a file written by state_save; the tokens it holds."""
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise st.StateError(f"{path}: cannot read the sequence state ({exc.strerror or exc})") from None
-        return self.state_set(seq, data, str(path))
-
-    def _cache_types(self) -> dict:
-        types = self.options.cache_types()
-        return {**types, "indexer": types["indexer"] if self.cache.with_indexer else None}
-
-    def _read_state(self, seq: int) -> st.SeqState:
-        self._check_devices("before reading a sequence's state")
-        parts = st.read_parts(self.cache, seq, self.cache.pos[seq])
-        return st.SeqState(self.identity, self._cache_types(), list(self._tokens[seq]), parts)
-
-    def _write_state(self, seq: int, state: st.SeqState) -> None:
-        self._check_devices("before writing a sequence's state")
-        st.write_parts(self.cache, seq, state)
-        self.cache.pos[seq] = len(state.tokens)
-        self._tokens[seq] = list(state.tokens)
-
-    def _seq(self, seq: int) -> int:
-        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.n_seq:
-            raise EvalError(f"sequence id {seq!r} is out of range: this context has sequences 0..{self.n_seq - 1} "
-                            "(-np)")
-        return int(seq)
-
-    def _check_devices(self, when: str) -> None:
-        if self.devices is not None:
-            self.devices.check(when)
-
     # ---- running -----------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget every sequence."""
@@ -248,13 +212,13 @@ class Model:
     def decode(self, batch: Mapping[int, Sequence[int] | np.ndarray] | Sequence[tuple[int, Sequence[int] | np.ndarray]],
                logits: str = "last") -> dict[int, np.ndarray]:
         """Append each sequence's new input and compute, in one graph per micro-batch of at most
-        n_batch positions. An input is token ids, or embedding rows float32 [n, n_embd] in place
+        n_ubatch positions. An input is token ids, or embedding rows float32 [n, n_embd] in place
         of token embeddings (engine/inputs.py). logits "last": seq -> [vocab] of its last position;
         "all": seq -> [n, vocab]. Everything is checked first: on an error no sequence has changed."""
         items = list(batch.items()) if isinstance(batch, Mapping) else list(batch)
         todo = self._check_batch(items)
         out: dict[int, list[np.ndarray]] = {seq: [] for seq, _ in todo}
-        step = self.n_batch or sum(len(ids) for _, ids in todo)
+        step = self.n_ubatch
         while todo:
             chunk, todo = take(todo, step)
             for seq, rows in self._run_ubatch(chunk, logits == "all").items():
@@ -267,8 +231,8 @@ class Model:
 
     def run(self, tokens: Sequence[int], want: Iterable[str] = (), seq: int = 0) -> EvalResult:
         """Like eval, with extra outputs: any of WANTS ("moe_norms" and "imatrix": graph/taps.py).
-        With n_batch set, the tokens go through the graph n_batch at a time (the caches make that
-        the same computation); the results are joined as if computed in one call."""
+        The tokens go through the graph n_ubatch at a time (the caches make that the same
+        computation); the results are joined as if computed in one call."""
         want = frozenset(want)
         if taps.MOE_NORMS in want:  # reported in the order of moe_experts, which sorts them
             want |= {"moe"}
@@ -276,7 +240,7 @@ class Model:
         if unknown:
             raise EvalError(f"unknown output(s) {unknown}; available: {sorted(WANTS)}")
         ((seq, ids),) = self._check_batch([(seq, tokens)])
-        step = self.n_batch or len(ids)
+        step = self.n_ubatch
         parts = [self._run_single(seq, ids[i:i + step], want) for i in range(0, len(ids), step)]
         return parts[0] if len(parts) == 1 else join_results(parts)
 
@@ -301,6 +265,7 @@ class Model:
                        bind_experts=self.executor.bind_experts, predict_experts=self.executor.predict_experts)
         size = self._graph_size + (taps.NODES_PER_LAYER * self.cfg.num_layers if want & taps.WANTS else 0)
         size += (len(ubatch.runs) - 1) * _NODES_PER_RUN_LAYER * self.cfg.num_layers
+        size += len(self.cfg.mla_layers) * sum(attention_nodes(self.cfg, self.exact, r, self.top_k) for r in ubatch.runs)
         return self.executor.graph(size, make)
 
     def _compute(self, ubatch: UBatch, values: dict[int, np.ndarray], out_ids: np.ndarray | None,

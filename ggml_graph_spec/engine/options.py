@@ -26,16 +26,28 @@ from .inputs import EvalError
 
 # The DSA attention unless asked otherwise: gathering the top_k rows was the faster path on both
 # kernels in bench/graph.py (docs/bench/graph.md): attention kernel 0.41-0.96x of masked on the
-# fast path, 0.07-0.21x on the exact one at 1k-128k contexts; whole-model decode 0.90-0.99x at
-# 1k-8k. Prefill is its cost: equal on that model's 512-token prompt, 13% slower on the tiny
-# model's 2k-8k prompts (bench/dsa_batches.py).
+# fast path, 0.07-0.21x on the exact one at 1k-128k contexts; and in bench/long_context.py at
+# K3.1-Pro's widths (docs/bench/long_context.md): decode 0.90x of masked at 128k, the DSA layer's
+# prefill 2.2x (8k prompt) and 3.7x (32k) as fast. Only at tiny widths, where flash attention
+# over the whole cache is cheap, is a gathered prefill slower (bench/dsa_batches.py).
 DEFAULT_DSA_PATH = "gather"
 DEFAULT_CTX = 4096  # llama.cpp's -c default
 
-# Cache types by name (llama.cpp's --cache-type-k spelling) -> ggml type.
-CACHE_TYPES = {"f32": ggml.GGML_TYPE_F32, "f16": ggml.GGML_TYPE_F16, "bf16": ggml.GGML_TYPE_BF16}
-INDEXER_CACHE_TYPES = ("f32",)
-LATENT_CACHE_TYPES = ("f32", "f16")
+DEFAULT_BATCH = 2048  # llama.cpp's -b: the most prompt tokens one generation step feeds
+DEFAULT_UBATCH = 512  # llama.cpp's -ub: the most tokens one graph computes
+
+# Cache types by name (llama.cpp's --cache-type-k spelling) -> ggml type. The latent cache takes
+# llama.cpp's -ctk types that this graph's kernels read (q8_0 only where flash attention runs: on
+# the fast path; the gathered path dequantizes the rows it reads); the indexer key cache the
+# types its matmul reads without a conversion of the keys (the queries are rounded to the type).
+CACHE_TYPES = {"f32": ggml.GGML_TYPE_F32, "f16": ggml.GGML_TYPE_F16, "bf16": ggml.GGML_TYPE_BF16,
+               "q8_0": ggml.GGML_TYPE_Q8_0}
+LATENT_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
+INDEXER_CACHE_TYPES = ("f32", "f16", "bf16")
+FLASH_ONLY_TYPES = ("q8_0",)  # a quantized latent is read by flash attention, which the exact path does not run
+EXACT_CACHE_TYPE = "f32"  # the exact path's caches, both of them
+DEFAULT_LATENT_TYPE = "f16"  # llama.cpp's -ctk default
+DEFAULT_INDEXER_TYPE = "f16"  # llama.cpp keeps the indexer keys in -ctk's type too
 
 
 class OptionError(EvalError):
@@ -47,7 +59,8 @@ class LoadOptions:
     n_ctx: int = DEFAULT_CTX  # context of all sequences together (0: the model's); each gets n_ctx // n_seq
     n_seq: int = 1  # sequences decoded together (llama.cpp's n_seq_max, -np)
     n_threads: int | None = None  # None: the CPUs this process may use
-    n_batch: int | None = None  # the most tokens one graph computes (None: a whole call at once)
+    n_batch: int = DEFAULT_BATCH  # the most prompt tokens one generation step feeds (-b)
+    n_ubatch: int = DEFAULT_UBATCH  # the most tokens one graph computes (-ub; at most n_batch, as llama.cpp)
     exact_experts: bool = False  # the exact path: F32 activations, F32 caches, no flash attention
     dsa: bool | None = None  # the indexer of a K3.1-Pro GGUF: None on if it has one, True required, False off
     dsa_path: str | None = None  # "gather" or "masked" (None: DEFAULT_DSA_PATH)
@@ -56,8 +69,8 @@ class LoadOptions:
     rpc: Sequence[str] | str = ()  # ggml RPC servers to spread the layers over
     tensor_split: Sequence[float] | str | None = None  # with rpc: each server's share, then the CPU's
     mem_budget: int | str | None = None  # bytes (or "8G", a preset) the model may keep resident
-    cache_type_k: str | None = None  # the MLA latent cache (None: f32 exact, f16 fast)
-    cache_type_indexer: str = "f32"  # the DSA indexer key cache
+    cache_type_k: str | None = None  # the MLA latent cache (None: f32 exact, DEFAULT_LATENT_TYPE fast)
+    cache_type_indexer: str | None = None  # the DSA indexer key cache (None: f32 exact, DEFAULT_INDEXER_TYPE fast)
     overrides: Mapping[str, Any] = field(default_factory=dict)  # --override-kv: GGUF key -> value
     progress: bool = False  # a progress bar while RPC servers receive their weights
 
@@ -67,8 +80,8 @@ class LoadOptions:
         _positive("-np/--parallel (n_seq)", self.n_seq)
         if self.n_threads is not None:
             _positive("-t/--threads (n_threads)", self.n_threads)
-        if self.n_batch is not None:
-            _positive("-b/--batch-size (n_batch)", self.n_batch)
+        _positive("-b/--batch-size (n_batch)", self.n_batch)
+        _positive("-ub/--ubatch-size (n_ubatch)", self.n_ubatch)
         if isinstance(self.n_ctx, bool) or not isinstance(self.n_ctx, int) or self.n_ctx < 0:
             raise OptionError(f"-c/--ctx-size (n_ctx) must be an integer >= 0 (0: the model's), got {self.n_ctx!r}")
         if self.top_k is not None:
@@ -80,13 +93,17 @@ class LoadOptions:
         return self
 
     def _check_cache_types(self) -> None:
-        allowed = ("f32",) if self.exact_experts else LATENT_CACHE_TYPES
-        if self.cache_type_k is not None and self.cache_type_k not in allowed:
-            why = "the exact path keeps F32 caches" if self.exact_experts else "the latent cache types"
-            raise OptionError(f"--cache-type-k {self.cache_type_k}: expected one of {', '.join(allowed)} ({why})")
-        allowed = ("f32",) if self.exact_experts else INDEXER_CACHE_TYPES
-        if self.cache_type_indexer not in allowed:
-            raise OptionError(f"--cache-type-indexer {self.cache_type_indexer}: expected one of {', '.join(allowed)}")
+        for flag, name, allowed in (("--cache-type-k", self.cache_type_k, LATENT_CACHE_TYPES),
+                                    ("--cache-type-indexer", self.cache_type_indexer, INDEXER_CACHE_TYPES)):
+            if name is None:
+                continue
+            if name not in allowed:
+                raise OptionError(f"{flag} {name!r}: expected one of {', '.join(allowed)}")
+            if self.exact_experts and name != EXACT_CACHE_TYPE:
+                why = " (q8_0 is read by flash attention, which the exact path does not run)" \
+                    if name in FLASH_ONLY_TYPES else ""
+                raise OptionError(f"{flag} {name}: the exact path (--exact-experts) keeps {EXACT_CACHE_TYPE} "
+                                  f"caches{why}; drop {flag} or --exact-experts")
 
     def _check_placement(self) -> None:
         if self.repack and self.exact_experts:
@@ -118,8 +135,18 @@ class LoadOptions:
         if self.dsa_path is not None and (not has_indexer or self.dsa is False):
             why = "the GGUF has no DSA indexer" if not has_indexer else "--dsa off runs dense attention"
             raise OptionError(f"{where}: --dsa-path {self.dsa_path}: {why}, so no DSA path is taken; drop --dsa-path")
+        self._check_block_rows(cfg, where)
         return replace(self, n_ctx=n_ctx, n_threads=self.n_threads or cpu_count(),
                        dsa=has_indexer if self.dsa is None else self.dsa, dsa_path=self.dsa_path or DEFAULT_DSA_PATH)
+
+    def _check_block_rows(self, cfg: K3Config, where: str) -> None:
+        """A block-quantized latent cache needs whole blocks in a row and in its value part."""
+        name = self.cache_types()["latent"]
+        block = ggml.ggml_blck_size(CACHE_TYPES[name])
+        widths = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank)
+        if any(w % block for w in widths):
+            raise OptionError(f"{where}: --cache-type-k {name} stores blocks of {block} values; this model's latent "
+                              f"rows ({widths[0]} values, of which {widths[1]} the value) are not whole blocks")
 
     # ---- derived ---------------------------------------------------------------------------------
     @property
@@ -127,17 +154,22 @@ class LoadOptions:
         """Cache rows of each sequence (after resolve)."""
         return self.n_ctx // self.n_seq
 
-    def latent_type(self) -> int:
-        name = self.cache_type_k or ("f32" if self.exact_experts else "f16")
-        return CACHE_TYPES[name]
-
-    def indexer_type(self) -> int:
-        return CACHE_TYPES[self.cache_type_indexer]
+    @property
+    def n_ubatch_eff(self) -> int:
+        """Tokens one graph computes at most: n_ubatch, at most n_batch (llama.cpp's rule)."""
+        return min(self.n_batch, self.n_ubatch)
 
     def cache_types(self) -> dict[str, str]:
         """The caches' types by name, as a state file records them."""
-        return {"latent": self.cache_type_k or ("f32" if self.exact_experts else "f16"),
-                "indexer": self.cache_type_indexer}
+        exact = EXACT_CACHE_TYPE if self.exact_experts else None
+        return {"latent": self.cache_type_k or exact or DEFAULT_LATENT_TYPE,
+                "indexer": self.cache_type_indexer or exact or DEFAULT_INDEXER_TYPE}
+
+    def latent_type(self) -> int:
+        return CACHE_TYPES[self.cache_types()["latent"]]
+
+    def indexer_type(self) -> int:
+        return CACHE_TYPES[self.cache_types()["indexer"]]
 
 
 def _positive(option: str, value: Any) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 from ..graph import taps
 from ..graph.build import GraphBuild
 
-WANTS = frozenset({"hidden", "index_selected", "index_scores", "moe", taps.MOE_NORMS, taps.IMATRIX})
+WANTS = frozenset({"hidden", "attn_input", "index_selected", "index_scores", "moe", taps.MOE_NORMS, taps.IMATRIX})
 
 
 @dataclass
@@ -17,6 +17,7 @@ class EvalResult:
 
     logits: np.ndarray  # [n_tokens, vocab]
     hidden: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, n_embd]
+    attn_input: dict[int, np.ndarray] = field(default_factory=dict)  # MLA layer -> its normed input [n_tokens, n_embd]
     index_selected: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k]
     index_scores: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, n_kv]
     moe_experts: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n_tokens, k], ascending
@@ -34,7 +35,7 @@ def join_results(parts: list[EvalResult]) -> EvalResult:
     """Per-batch results as one: rows concatenated, short rows padded (-1 / -inf)."""
     out = EvalResult(np.concatenate([p.logits for p in parts]))
     out.imatrix = {name: sum(p.imatrix[name] for p in parts) for name in parts[0].imatrix}
-    for name in ("hidden", "index_selected", "index_scores", "moe_experts", "moe_weights", "moe_norms"):
+    for name in ("hidden", "attn_input", "index_selected", "index_scores", "moe_experts", "moe_weights", "moe_norms"):
         for layer in getattr(parts[0], name):
             rows = [getattr(p, name)[layer] for p in parts]
             width = max(r.shape[1] for r in rows)

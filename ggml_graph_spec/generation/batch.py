@@ -47,11 +47,11 @@ class Request:
 
 class BatchGenerator:
     def __init__(self, model: Model, *, prefill_chunk: int | None = None, timings: Timings | None = None):
-        """prefill_chunk: the most prompt tokens a request feeds in one step (None: its whole
-        prompt), so that a long prompt does not stall the other requests' decoding for long."""
+        """prefill_chunk: the most prompt tokens a request feeds in one step (None: the model's
+        n_batch, -b), so that a long prompt does not stall the other requests' decoding for long."""
         self.model = model
         self.tokenizer = model.tokenizer
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk or model.n_batch
         self.timings = timings if timings is not None else Timings()
         self._requests: list[Request] = []
 
@@ -107,7 +107,7 @@ class BatchGenerator:
         return events
 
     def _next_input(self, r: Request) -> list[int]:
-        n = len(r.todo) if (self.prefill_chunk is None or not r.prefilling) else min(self.prefill_chunk, len(r.todo))
+        n = min(self.prefill_chunk, len(r.todo)) if r.prefilling else len(r.todo)
         ids, r.todo = r.todo[:n], r.todo[n:]
         r.reply.pending = None
         return ids

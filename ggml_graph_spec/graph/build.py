@@ -8,7 +8,8 @@ allocates the graph once (ggml-alloc), uploads `inputs`, computes and reads `rec
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable, Hashable, Iterable
+from functools import partial
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import ggml
 import numpy as np
@@ -21,7 +22,7 @@ from . import taps
 Tensor = ggml.ggml_tensor_p
 
 from .placement import INPUT_SEGMENT
-from .ubatch import SeqRun, UBatch
+from .ubatch import SeqRun, Span, UBatch
 
 F32 = ggml.GGML_TYPE_F32
 F16 = ggml.GGML_TYPE_F16
@@ -46,11 +47,18 @@ def new_tensor(ctx, ggml_type: int, ne: tuple[int, ...]):
     return ggml.ggml_new_tensor(ctx, ggml_type, len(ne), (ctypes.c_int64 * len(ne))(*ne))
 
 
+def _input_array(name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray) -> np.ndarray:
+    value = np.ascontiguousarray(value, dtype=NUMPY_OF[ggml_type])
+    if value.shape != tuple(reversed(ne)):
+        raise ValueError(f"input {name}: value shape {value.shape} does not match ne {ne}")
+    return value
+
+
 def causal_mask(n_past: int, n_tokens: int) -> np.ndarray:
     """[n_tokens, n_kv] with 0 where key s <= the query's position n_past + t, -inf elsewhere."""
-    n_kv = n_past + n_tokens
-    visible = np.arange(n_kv)[None, :] <= (n_past + np.arange(n_tokens))[:, None]
-    return np.where(visible, 0.0, -np.inf).astype(np.float32)
+    mask = np.zeros((n_tokens, n_past + n_tokens), np.float32)
+    mask[:, n_past:] = np.triu(np.full((n_tokens, n_tokens), -np.inf, np.float32), 1)
+    return mask
 
 
 class GraphBuild:
@@ -90,7 +98,7 @@ class GraphBuild:
             raise ValueError(f"dsa_path must be one of {DSA_PATHS}, got {dsa_path!r}")
         self.dsa_path = dsa_path
         self._wants = frozenset(wants)
-        self.inputs: list[tuple[Any, np.ndarray]] = []
+        self.inputs: list[tuple[Any, np.ndarray | Callable[[], np.ndarray]]] = []
         self.records: dict[tuple[str, int | str], Any] = {}  # (what, layer or weight name) -> tensor
         self._constants: dict[str, Any] = {}
         self._segments: dict[int, Hashable] | None = {} if segments else None  # tensor address -> segment
@@ -98,26 +106,39 @@ class GraphBuild:
         self._seen = None  # the last tensor of ctx given a segment
         runs = self.ubatch.runs
         self._masks = {r.seq: self.input("kq_mask" if len(runs) == 1 else f"kq_mask.{r.seq}", F32,
-                                         (r.n_kv, r.n_tokens), causal_mask(r.n_past, r.n_tokens)) for r in runs}
+                                         (r.n_kv, r.n_tokens), partial(causal_mask, r.n_past, r.n_tokens))
+                       for r in runs}
         if len(runs) == 1:  # the single-sequence view
             self.n_past, self.n_kv = runs[0].n_past, runs[0].n_kv
             self.kq_mask = self._masks[runs[0].seq]
 
-    def kq_mask_of(self, run: SeqRun):
-        """The causal mask of one run, F32 [n_kv, n_tokens] (0 / -inf)."""
-        return self._masks[run.seq]
+    def kq_mask_of(self, run: SeqRun | Span):
+        """The causal mask of one run, F32 [n_kv, n_tokens] (0 / -inf); of a span, its rows (a view)."""
+        if isinstance(run, SeqRun):
+            return self._masks[run.seq]
+        mask = self._masks[run.run.seq]
+        if run.n == run.run.n_tokens:
+            return mask
+        nb1 = mask.contents.nb[1]
+        return ggml.ggml_view_2d(self.ctx, mask, run.n_kv, run.n, nb1, run.t0 * nb1)
 
     # ---- inputs and outputs ------------------------------------------------------------------
-    def input(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
-        """A graph input whose data (numpy, C order = ne reversed) is uploaded before compute."""
-        value = np.ascontiguousarray(value, dtype=NUMPY_OF[ggml_type])
-        if value.shape != tuple(reversed(ne)):
-            raise ValueError(f"input {name}: value shape {value.shape} does not match ne {ne}")
+    def input(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray | Callable[[], np.ndarray]):
+        """A graph input whose data (numpy, C order = ne reversed) is uploaded before compute; a
+        callable value is made only then (a graph built to be measured never makes it)."""
         t = new_tensor(self.ctx, ggml_type, ne)
         ggml.ggml_set_name(t, name.encode())
         ggml.ggml_set_input(t)
-        self.inputs.append((t, value))
+        if callable(value):
+            self.inputs.append((t, lambda: _input_array(name, ggml_type, ne, value())))
+        else:
+            self.inputs.append((t, _input_array(name, ggml_type, ne, value)))
         return t
+
+    def input_arrays(self) -> Iterator[tuple[Any, np.ndarray]]:
+        """(tensor, data) of every input, the lazy ones made now."""
+        for t, value in self.inputs:
+            yield t, value() if callable(value) else value
 
     def constant(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
         """An input made once per graph however many builders ask for it by `name`."""

@@ -15,6 +15,7 @@ summary prints and a test checks against ggml's own sizes).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import ggml
@@ -26,12 +27,43 @@ from .build import F16, F32, new_tensor
 CONV_INPUTS = ("q", "k", "v")
 
 
+@dataclass(frozen=True)
+class CacheSizes:
+    """Bytes of each cache of a context, in all (every layer, every sequence)."""
+
+    latent: int  # the MLA latent rows: n_seq x n_ctx x (kv_lora + rope) values of its type, per MLA layer
+    indexer: int  # the DSA indexer keys: n_seq x n_ctx x index_head_dim values of its type, per DSA layer
+    kda_conv: int  # the KDA short-conv states: n_seq x 3 x (kernel - 1) x proj_dim F32, per KDA layer
+    kda_state: int  # the KDA recurrent states: n_seq x heads x head_dim^2 F32, per KDA layer
+
+    @property
+    def total(self) -> int:
+        return self.latent + self.indexer + self.kda_conv + self.kda_state
+
+
+def cache_sizes(cfg: K3Config, *, n_ctx: int, n_seq: int, latent_type: int, indexer_type: int,
+                with_indexer: bool) -> CacheSizes:
+    """The caches' bytes from the model's sizes alone (what SequenceCache allocates, before it
+    does: the load refuses a context that does not fit with these figures)."""
+    kda = cfg.kda
+    n_dsa = sum(1 for l in cfg.mla_layers if cfg.is_dsa(l)) if with_indexer and cfg.indexer is not None else 0
+    latent_row = ggml.ggml_row_size(latent_type, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    index_row = ggml.ggml_row_size(indexer_type, cfg.indexer.head_dim) if n_dsa else 0
+    f32 = ggml.ggml_type_size(F32)
+    return CacheSizes(
+        latent=len(cfg.mla_layers) * n_seq * n_ctx * latent_row,
+        indexer=n_dsa * n_seq * n_ctx * index_row,
+        kda_conv=len(kda.layers) * n_seq * len(CONV_INPUTS) * (kda.conv_kernel - 1) * kda.proj_dim * f32,
+        kda_state=len(kda.layers) * n_seq * kda.num_heads * kda.head_dim * kda.head_dim * f32)
+
+
 class SequenceCache:
     def __init__(self, cfg: K3Config, backend, *, n_ctx: int, exact: bool, with_indexer: bool,
                  layer_backends: Mapping[int, Any] | None = None, n_seq: int = 1,
-                 latent_type: int | None = None, indexer_type: int = F32):
+                 latent_type: int | None = None, indexer_type: int = F32, clear: bool = True):
         """n_ctx: cache rows per sequence. latent_type: the MLA latent cache's ggml type (None: F32
-        on the exact path, F16 on the fast one); indexer_type: the indexer key cache's."""
+        on the exact path, F16 on the fast one); indexer_type: the indexer key cache's. clear
+        False: the buffers are allocated but not yet written (no page touched: reset() does it)."""
         self.cfg = cfg
         self.n_ctx = n_ctx
         self.n_seq = n_seq
@@ -54,7 +86,8 @@ class SequenceCache:
         if any(not buf for buf in self._buffers.values()):
             self.free()
             raise MemoryError(f"cannot allocate the caches of {n_seq} sequence(s) x {n_ctx} tokens")
-        self.reset()
+        if clear:
+            self.reset()
 
     def _make_tensors(self, cfg: K3Config, with_indexer: bool) -> None:
         kda, S = cfg.kda, self.n_seq
@@ -99,6 +132,12 @@ class SequenceCache:
         """Per sequence and token of context: {"latent": .., "indexer": ..} (the per-token caches)."""
         return {"latent": sum(_row_bytes(t) for t in self._latent.values()),
                 "indexer": sum(_row_bytes(t) for t in self._index.values())}
+
+    def sizes(self) -> CacheSizes:
+        """The bytes of each cache as allocated (ggml's own tensor sizes)."""
+        nbytes = lambda ts: sum(ggml.ggml_nbytes(t) for t in ts)  # noqa: E731
+        return CacheSizes(nbytes(self._latent.values()), nbytes(self._index.values()), nbytes(self._conv.values()),
+                          nbytes(self._state.values()))
 
     def bytes_per_sequence(self) -> int:
         """Per sequence, whatever its length: the KDA conv and recurrent states."""

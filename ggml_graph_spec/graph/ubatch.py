@@ -38,6 +38,30 @@ class SeqRun:
 
 
 @dataclass(frozen=True)
+class Span:
+    """Tokens t0 .. t0+n-1 of a run: the unit a run's attention goes through in (blocks/mla.py), so
+    that no [cache rows x tokens] tensor grows with the micro-batch. Every token of a span sees
+    the run's cache rows 0..run.n_kv-1, masked causally."""
+
+    run: SeqRun
+    t0: int
+    n: int
+
+    @property
+    def n_kv(self) -> int:
+        return self.run.n_kv
+
+    @classmethod
+    def whole(cls, run: SeqRun) -> "Span":
+        return cls(run, 0, run.n_tokens)
+
+
+def spans(run: SeqRun, n: int) -> list[Span]:
+    """The run in spans of at most n tokens."""
+    return [Span(run, t0, min(n, run.n_tokens - t0)) for t0 in range(0, run.n_tokens, n)]
+
+
+@dataclass(frozen=True)
 class RunGroup:
     """Runs with the same token count, contiguous in the micro-batch from `offset`."""
 

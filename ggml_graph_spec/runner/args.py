@@ -9,7 +9,8 @@ from typing import Any
 from gguf_arch.io.console import UsageError
 
 from ..backends.streaming.budget import PRESETS
-from ..engine.options import LoadOptions
+from ..engine.options import (DEFAULT_BATCH, DEFAULT_INDEXER_TYPE, DEFAULT_LATENT_TYPE, DEFAULT_UBATCH,
+                              INDEXER_CACHE_TYPES, LATENT_CACHE_TYPES, LoadOptions)
 from ..graph.build import DSA_PATHS
 
 
@@ -67,6 +68,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep every weight in the mapped file, no copy")
 
 
+def add_context_arguments(p: argparse.ArgumentParser) -> None:
+    """-b / -ub and the cache types, as llama.cpp names them (docs/long-context.md)."""
+    p.add_argument("-b", "--batch-size", type=int, default=DEFAULT_BATCH, metavar="N",
+                   help=f"the most prompt tokens fed to the model at once (default {DEFAULT_BATCH})")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=DEFAULT_UBATCH, metavar="N",
+                   help=f"the most tokens one graph computes, at most -b: bounds the memory of a long prompt "
+                        f"(default {DEFAULT_UBATCH})")
+    p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
+                   help=f"the MLA latent cache's type: {', '.join(LATENT_CACHE_TYPES)} (default {DEFAULT_LATENT_TYPE}; "
+                        "f32 with --exact-experts, which takes no other; q8_0 needs flash attention: not with "
+                        "--exact-experts)")
+    p.add_argument("--cache-type-indexer", default=None, metavar="TYPE",
+                   help=f"the DSA indexer key cache's type: {', '.join(INDEXER_CACHE_TYPES)} (default "
+                        f"{DEFAULT_INDEXER_TYPE}; f32 with --exact-experts)")
+
+
 def add_placement_arguments(p: argparse.ArgumentParser) -> None:
     """--rpc, -ts, --mem-budget."""
     p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
@@ -82,9 +99,10 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_options(a: argparse.Namespace, **fields) -> LoadOptions:
     """The LoadOptions of a runner's parsed arguments (`fields`: what the runner sets itself,
-    such as n_seq), checked (LoadOptions.check)."""
-    return LoadOptions(
-        n_ctx=a.ctx_size, n_threads=a.threads, exact_experts=a.exact_experts,
-        dsa=None if a.dsa is None else a.dsa == "on", dsa_path=a.dsa_path, repack=a.repack,
-        rpc=a.rpc or (), tensor_split=a.tensor_split, mem_budget=a.mem_budget,
-        overrides=dict(a.override_kv), **fields).check()
+    such as n_seq, over what was parsed), checked (LoadOptions.check)."""
+    parsed = dict(n_ctx=a.ctx_size, n_threads=a.threads, exact_experts=a.exact_experts, n_batch=a.batch_size,
+                  n_ubatch=a.ubatch_size, cache_type_k=a.cache_type_k, cache_type_indexer=a.cache_type_indexer,
+                  dsa=None if a.dsa is None else a.dsa == "on", dsa_path=a.dsa_path, repack=a.repack,
+                  rpc=a.rpc or (), tensor_split=a.tensor_split, mem_budget=a.mem_budget,
+                  overrides=dict(a.override_kv))
+    return LoadOptions(**{**parsed, **fields}).check()

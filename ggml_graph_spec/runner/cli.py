@@ -29,7 +29,8 @@ from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT
                                    DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams)
 from ..text.chat_template import chat_template
 from ..text.tokenizer import BPETokenizer
-from .args import add_model_argument, add_model_arguments, add_placement_arguments, load_options
+from .args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
+                   load_options)
 from .chat import Conversation, add_chat_arguments, parse_template_kwargs, run_interactive, stream
 from .interrupt import sigint_stops
 from .summary import summary
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never sample the end-of-generation token (EOS); go on until -n, a reverse prompt or a full context")
     add_chat_arguments(p)
     add_model_arguments(p)
+    add_context_arguments(p)
     add_placement_arguments(p)
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")

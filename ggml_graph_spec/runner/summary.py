@@ -12,16 +12,26 @@ from ..engine.model import Model
 
 
 def cache_rows(model: Model) -> list[tuple[str, str]]:
-    """What the caches take: per sequence and token of context (the MLA latent and indexer key
-    rows), per sequence whatever its length (the KDA states), and in all (SequenceCache)."""
-    c = model.cache
-    per_token, fixed = c.bytes_per_token(), c.bytes_per_sequence()
-    parts = [f"latent {c.latent_type_name} {human_size(per_token['latent'])}"]
+    """Each cache's bytes (ggml's own sizes, which equal graph/cache.py's cache_sizes formula) with
+    the factors they are made of, and the total; then the bytes per token of context."""
+    c, cfg, n_seq, n_ctx = model.cache, model.cfg, model.n_seq, model.n_ctx
+    sizes, per_token, kda = c.sizes(), c.bytes_per_token(), cfg.kda
+    seqs = f"{n_seq} seq x {n_ctx} tokens"
+    rows = [("cache latent", f"{c.latent_type_name}: {len(cfg.mla_layers)} MLA layer(s) x {seqs} x "
+                             f"{per_token['latent'] // max(1, len(cfg.mla_layers))} B = {_bytes(sizes.latent)}")]
     if c.with_indexer:
-        parts.append(f"indexer keys {c.indexer_type_name} {human_size(per_token['indexer'])}")
-    total = model.n_seq * (fixed + model.n_ctx * sum(per_token.values()))
-    return [("caches", f"{', '.join(parts)} per token of context; KDA states {human_size(fixed)} per sequence; "
-                       f"{human_size(total)} for {model.n_seq} x {model.n_ctx} tokens")]
+        n_dsa = len(cfg.indexer.layers)
+        rows.append(("cache indexer", f"{c.indexer_type_name}: {n_dsa} DSA layer(s) x {seqs} x "
+                                      f"{per_token['indexer'] // n_dsa} B = {_bytes(sizes.indexer)}"))
+    rows.append(("cache KDA", f"f32: {len(kda.layers)} KDA layer(s) x {n_seq} seq, conv {_bytes(sizes.kda_conv)}, "
+                              f"recurrent {_bytes(sizes.kda_state)}"))
+    rows.append(("caches", f"{_bytes(sizes.total)} in all; {human_size(sum(per_token.values()))} per token of "
+                           f"context, {human_size(c.bytes_per_sequence())} per sequence"))
+    return rows
+
+
+def _bytes(n: int) -> str:
+    return f"{n} bytes ({human_size(n)})"
 
 
 def summary(model: Model) -> list[str]:
@@ -46,7 +56,7 @@ def summary(model: Model) -> list[str]:
             f" per sequence, {model.n_seq} sequences" if model.n_seq > 1 else "")),
         ("tensor types", ", ".join(f"{n} {k}" for k, n in sorted(types.items()))),
         ("path", "exact (F32 activations, F32 caches)" if model.exact else "fast (as llama.cpp: quantized "
-                 "activations for quantized weights, F16 latent cache)"),
+                 f"activations for quantized weights, {model.cache.latent_type_name.upper()} latent cache)"),
         ("ggml CPU", f"llamafile sgemm {'on' if ggml.ggml_cpu_has_llamafile() else 'off (slower prompt batches)'}; "
                      + (f"{len(w.repacked)} expert tensors repacked ({human_size(w.repacked_bytes)})"
                         if w.repacked else "weights mapped from the file, none repacked")

@@ -28,7 +28,8 @@ from gguf_arch.io.jsonfile import read_text
 
 from ..engine.model import Model
 from ..engine.options import DEFAULT_CTX
-from ..runner.args import add_model_argument, add_model_arguments, add_placement_arguments, load_options
+from ..runner.args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
+                          load_options)
 from ..runner.chat import parse_template_kwargs
 from ..runner.cli import load
 from ..runner.summary import summary
@@ -43,7 +44,6 @@ DEFAULT_PORT = 8080
 DEFAULT_QUEUE = 16
 DEFAULT_MAX_BODY = 20 * 2**20  # room for an image as a data URI
 DEFAULT_TIMEOUT_S = 600.0  # llama-server's
-DEFAULT_BATCH = 2048  # llama-server's -b
 DEFAULT_CHECKPOINTS = 1
 _SIZE = re.compile(r"(\d+)\s*([KMG]?)(?:i?B)?", re.IGNORECASE)
 
@@ -65,9 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"context of all slots together, split evenly over them (default {DEFAULT_CTX}; 0: the "
                         "model's per slot)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
-    p.add_argument("-b", "--batch-size", type=int, default=DEFAULT_BATCH,
-                   help=f"the most tokens one graph computes, and the most prompt tokens a slot feeds in one step "
-                        f"(default {DEFAULT_BATCH})")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY) on every endpoint "
                                                    "but /health, /v1/models and the chat page")
     p.add_argument("-a", "--alias", default=None, help="the model's name in the API (default: the GGUF's file name)")
@@ -91,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true",
                    help="accepted for llama-server's command lines: /metrics is always on here")
     add_model_arguments(p)
+    add_context_arguments(p)  # -b (the most prompt tokens a slot feeds in one step), -ub, -ctk
     add_placement_arguments(p)
     return p
 
@@ -200,7 +198,7 @@ def http_settings(a: argparse.Namespace) -> HttpSettings:
 def run(a: argparse.Namespace) -> int:
     for note in check(a):
         _log(note)
-    options = load_options(a, n_seq=a.parallel, n_batch=a.batch_size, progress=sys.stderr.isatty())
+    options = load_options(a, n_seq=a.parallel, progress=sys.stderr.isatty())
     if a.chat_template_file is not None:
         _read_text(a.chat_template_file)  # a missing template is an error before the model loads
     try:

@@ -342,24 +342,34 @@ def test_a_mixed_batch_over_rpc_equals_the_local_one(k31pro_tiny_gguf):
 
 @pytest.mark.parametrize("exact,n_seq", [(False, 1), (False, 3), (True, 2)])
 def test_cache_bytes_per_token_and_sequence_are_the_formula(k31pro_tiny_gguf, exact, n_seq):
-    from gguf_arch.io.console import human_size
+    """Each cache's bytes, as the summary prints them, are the model's sizes times the context:
+    F32 caches on the exact path, llama.cpp's F16 for both on the fast one."""
     from ggml_graph_spec.runner.summary import summary
     m = Model.load(k31pro_tiny_gguf, _options("k31pro", exact, "gather", n_seq=n_seq))
     try:
         cfg, kda = m.cfg, m.cfg.kda
-        latent = len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (4 if exact else 2)
-        indexer = len(cfg.indexer.layers) * cfg.indexer.head_dim * 4
-        states = len(kda.layers) * 4 * (3 * (kda.conv_kernel - 1) * kda.proj_dim + kda.head_dim ** 2 * kda.num_heads)
+        size = 4 if exact else 2
+        latent = len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
+        indexer = len(cfg.indexer.layers) * cfg.indexer.head_dim * size
+        conv = len(kda.layers) * 4 * 3 * (kda.conv_kernel - 1) * kda.proj_dim
+        recurrent = len(kda.layers) * 4 * kda.head_dim ** 2 * kda.num_heads
         assert m.cache.bytes_per_token() == {"latent": latent, "indexer": indexer}
-        assert m.cache.bytes_per_sequence() == states
-        want = n_seq * (states + N_CTX_SEQ * (latent + indexer))
+        assert m.cache.bytes_per_sequence() == conv + recurrent
+        want = n_seq * (conv + recurrent + N_CTX_SEQ * (latent + indexer))
         n_tensors = 4 * len(kda.layers) + 2 * len(cfg.mla_layers)
         assert want <= m.cache.nbytes(m.executor.backend) <= want + 64 * n_tensors  # each tensor aligned
-        line = next(x for x in summary(m) if x.startswith("print_info: caches "))
+        lines = {x[len("print_info: "):].split("=")[0].strip(): x.split("= ", 1)[1] for x in summary(m)}
         kind = "f32" if exact else "f16"
-        assert line.endswith(f"latent {kind} {human_size(latent)}, indexer keys f32 {human_size(indexer)} per token of "
-                             f"context; KDA states {human_size(states)} per sequence; {human_size(want)} for "
-                             f"{n_seq} x {N_CTX_SEQ} tokens")
+        assert lines["cache latent"].startswith(f"{kind}: {len(cfg.mla_layers)} MLA layer(s) x {n_seq} seq x "
+                                                f"{N_CTX_SEQ} tokens x {latent // len(cfg.mla_layers)} B = "
+                                                f"{n_seq * N_CTX_SEQ * latent} bytes")
+        assert lines["cache indexer"].startswith(f"{kind}: {len(cfg.indexer.layers)} DSA layer(s) x {n_seq} seq x "
+                                                 f"{N_CTX_SEQ} tokens x {indexer // len(cfg.indexer.layers)} B = "
+                                                 f"{n_seq * N_CTX_SEQ * indexer} bytes")
+        assert lines["cache KDA"].startswith(f"f32: {len(kda.layers)} KDA layer(s) x {n_seq} seq, conv "
+                                             f"{n_seq * conv} bytes")
+        assert f"recurrent {n_seq * recurrent} bytes" in lines["cache KDA"]
+        assert lines["caches"].startswith(f"{want} bytes")
     finally:
         m.close()
 
