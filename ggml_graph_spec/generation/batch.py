@@ -55,9 +55,9 @@ def prompt_length(prompt: Prompt) -> int:
     return sum(len(r) for r in prompt_runs(prompt))
 
 
-def prompt_ids(prompt: Prompt) -> list[int]:
-    """The prompt's token ids, in order, without its rows (what the sampler's penalties see)."""
-    return [int(t) for r in prompt_runs(prompt) if not is_rows(r) for t in r]
+def _ids(runs: list[Run]) -> list[int]:
+    """The runs' token ids, in order, without the rows (what the sampler's penalties see)."""
+    return [int(t) for r in runs if not is_rows(r) for t in r]
 
 
 @dataclass(eq=False)
@@ -100,9 +100,9 @@ class BatchGenerator:
         runs = prompt_runs(prompt)
         if not runs:
             raise ValueError("a request needs at least one prompt token")
-        sampler.accept(prompt_ids(runs))
+        sampler.accept(_ids(runs))
         r = Request(seq, sampler, stop, show, logprobs, runs, self.tokenizer.stream_decoder(),
-                    prompt_tokens=prompt_length(runs), t_start=time.perf_counter())
+                    prompt_tokens=sum(map(len, runs)), t_start=time.perf_counter())
         self._requests.append(r)
         return r
 
