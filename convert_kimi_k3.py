@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="print nothing but errors (no progress bar)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted conversion: keep its finished files once verified against "
-                        "their .sha256.json manifests, rewrite the rest")
+                        "their manifests (.manifest.json, or an earlier converter's .sha256.json), rewrite the rest")
     p.add_argument("--dry-run", action="store_true",
                    help="print every output file and tensor with its type and bytes; read only config.json "
                         "and the shard headers, write nothing")
@@ -59,9 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-non-finite", action="store_true",
                    help="write tensors holding NaN or inf (one warning line per tensor) instead of refusing them")
     p.add_argument("--verify", type=Path, metavar="OUT.gguf",
-                   help="re-check OUT.gguf against its .sha256.json manifest and every tensor against MODEL_DIR")
+                   help="re-check OUT.gguf against its manifest (OUT.gguf.manifest.json: BLAKE3; an earlier "
+                        "converter's OUT.gguf.sha256.json: SHA-256) and every tensor against MODEL_DIR")
     p.add_argument("-j", "--threads", type=int, metavar="N",
-                   help="worker threads per stage (expert repack, shard reads in flight, non-finite scan; "
+                   help="worker threads per stage (expert repack, shard reads in flight, non-finite scan, BLAKE3 digest; "
                         "default: the CPUs this process may run on); the output bytes do not depend on it")
     add_quant_arguments(p)
     g = p.add_argument_group("vision (the tower and projector as llama.cpp's separate mmproj GGUF)")

@@ -42,6 +42,7 @@ SCRIPT_PAGES = {
     "kimi-k3-rpc-server": "docs/rpc.md",
     "kimi-k3-doctor": "docs/bigger-than-ram.md",
     "kimi-k3-encode-images": "docs/images.md",
+    "kimi-k3-server": "docs/server.md",
 }
 # What a ```console line may run besides the console scripts, `python FILE.py` (a file of the
 # repository), `bash scripts/X.sh` and `$KIMI_K3_LLAMA_BIN/<a tool the setup builds>`.

@@ -54,10 +54,11 @@ def check_options(a: argparse.Namespace) -> list[str]:
         raise UsageError(f"--repeat-penalty must be > 0, got {a.repeat_penalty} (1.0 = off)")
     if a.seed > RANDOM_SEED:
         raise UsageError(f"-s/--seed must be at most {RANDOM_SEED} (a 32-bit seed, as llama.cpp's), got {a.seed}")
-    return _cap_threads(a)
+    return cap_threads(a)
 
 
-def _cap_threads(a: argparse.Namespace) -> list[str]:
+def cap_threads(a: argparse.Namespace) -> list[str]:
+    """-t: the CPUs this process may use when not given; more than those capped, with a note."""
     cpus = cpu_count()
     if a.threads is None:
         a.threads = cpus

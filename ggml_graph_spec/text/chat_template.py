@@ -29,10 +29,12 @@ class ChatTemplate:
         self._context = {"bos_token": special(tokenizer.bos_id), "eos_token": special(tokenizer.eos_id),
                          **kwargs}
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
+        """kwargs: template variables for this rendering only (a server request's
+        chat_template_kwargs), over those given at construction."""
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **self._context)
+                                         **{**self._context, **kwargs})
         except jinja2.TemplateError as exc:  # raise_exception, sandbox violations, undefined names
             raise UsageError(f"{self.where}: chat template: {exc.message or exc}") from None
         except RecursionError:  # a macro calling itself without end

@@ -1,7 +1,7 @@
 """Run a conversion: plan it (`plan.py`, the mmproj's `mmproj.py`), lay out the files, then stream
 every tensor once.
 
-Each output file is written whole (`.partial`, fsync, rename) and then its per-tensor SHA-256
+Each output file is written whole (`.partial`, fsync, rename) and then its per-tensor BLAKE3
 manifest; with --resume, files an interrupted run finished and verified are kept. The text GGUF
 and the mmproj are planned and checked together, then written in one pass (text first).
 """
@@ -104,18 +104,18 @@ def _first_name(out: Path, split: SplitLimits) -> OutputFile:
     return OutputFile(part_path(out, 1, 1) if split.splits else out, empty, 0)
 
 
-def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log,
-                 done: list[OutputFile]) -> None:
+def _write_files(files: list[OutputFile], source_chunks, progress: Progress, output: OutputOptions, replace: bool,
+                 log, done: list[OutputFile]) -> None:
     """Each file streamed, renamed into place, then its manifest; one file at a time."""
     for f in files:
-        with TensorHasher() as hasher:
+        with TensorHasher(output.threads) as hasher:
             chunks_for, close_bar = progress.track(f.path, f.layout, hasher.wrap(source_chunks))
             try:
                 write_gguf(f.path, f.layout, chunks_for, replace)
             finally:
                 close_bar()
             write_manifest(f.path, hasher.digests, replace)
-        done.append(f)
+            done.append(f)  # before the hashing thread is joined: a stop from here on sees it complete
         log(f"wrote {f.path}")
 
 
@@ -136,7 +136,7 @@ def plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOpt
         log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
     layout, types = conversion_layout(plan, kv, quant, log)
     files = output_files(out, layout, output.split)
-    return _Planned(plan, types, files, files_to_write(files, log) if output.resume else files)
+    return _Planned(plan, types, files, files_to_write(files, log, output.threads) if output.resume else files)
 
 
 def plan_mmproj_files(ckpt, model_dir: Path, mmproj: MmprojOptions, output: OutputOptions, log) -> _Planned:
@@ -146,7 +146,7 @@ def plan_mmproj_files(ckpt, model_dir: Path, mmproj: MmprojOptions, output: Outp
     log(f"mmproj: {plan.ledger.summary()}; {media_origin}")
     layout, types = conversion_layout(plan, tuple(mmproj_metadata(vcfg, model_dir)), mmproj.quant, log, MMPROJ_ARCH)
     files = output_files(mmproj.path, layout, output.split)
-    return _Planned(plan, types, files, files_to_write(files, log) if output.resume else files)
+    return _Planned(plan, types, files, files_to_write(files, log, output.threads) if output.resume else files)
 
 
 def _together(planned: list[_Planned]) -> _Planned:
@@ -181,7 +181,7 @@ def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> 
                         log_json=output.log_json, replace=replace)
     done: list[OutputFile] = []
     try:
-        _write_files(p.todo, source_chunks, progress, replace, log, done)
+        _write_files(p.todo, source_chunks, progress, output, replace, log, done)
     except (KeyboardInterrupt, Interrupted) as exc:
         raise Interrupted.from_exc(exc, left_behind(p.files, p.todo, done)) from None
     finally:

@@ -195,7 +195,7 @@ def test_cli_prints_counts_and_quiet_prints_nothing(k3_tiny_dir, tmp_path, capsy
     assert convert_kimi_k3.main([str(k3_tiny_dir), str(tmp_path / "b.gguf"), "--quiet"]) == 0
     assert capsys.readouterr() == ("", "")
     assert convert_kimi_k3.main([str(k3_tiny_dir), str(tmp_path / "b.gguf"), "--quiet", "--overwrite"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "a.gguf.sha256.json", "b.gguf", "b.gguf.sha256.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "a.gguf.manifest.json", "b.gguf", "b.gguf.manifest.json"]
 
 
 def _failing_chunks(exc: BaseException):
