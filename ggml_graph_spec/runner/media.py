@@ -37,10 +37,14 @@ def frames(text: str) -> list[Path]:
     return [Path(p.strip()) for p in paths]
 
 
+def add_mmproj_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--mmproj", type=Path, metavar="MMPROJ.gguf",
+                   help="the model's vision tower and projector (convert-kimi-k3 --mmproj)")
+
+
 def add_media_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("images and clips (llama-mtmd-cli's options)")
-    g.add_argument("--mmproj", type=Path, metavar="MMPROJ.gguf",
-                   help="the model's vision tower and projector (convert-kimi-k3 --mmproj)")
+    add_mmproj_argument(g)
     g.add_argument("--image", dest="media", action="append", default=[], type=lambda t: [Path(t)], metavar="FILE",
                    help="an image (PNG, JPEG, WebP) for the prompt's next <__media__> marker (repeatable; the "
                         "items in command-line order; no marker: in front of the prompt)")
@@ -53,6 +57,13 @@ def text_model_facts(path: Path) -> tuple[int, int | None]:
     reader = open_gguf(path)
     meta, _notes = upgrade_legacy_keys(read_metadata([reader]), str(path))
     return config_from_metadata(meta, str(path)).hidden_size, BPETokenizer.from_gguf(reader).special_id(MEDIA_PAD)
+
+
+def check_mmproj(mmproj: Path, model: Path) -> MmprojFile:
+    """The mmproj checked, and checked to be the text model's, without ggml (GGUFError)."""
+    checked = open_mmproj(mmproj)
+    check_pairing(checked.cfg, str(mmproj), *text_model_facts(model))
+    return checked
 
 
 @dataclass
@@ -87,8 +98,7 @@ def check_media(a: argparse.Namespace, text: str | None) -> MediaInput | None:
         return None
     if a.mode == "perplexity":
         raise UsageError("--mmproj, --image and --video apply to prompts, not to --perplexity")
-    mmproj = open_mmproj(a.mmproj)
-    check_pairing(mmproj.cfg, str(a.mmproj), *text_model_facts(a.model))
+    mmproj = check_mmproj(a.mmproj, a.model)
     items = [load_media(paths, mmproj.cfg) for paths in a.media]
     if text is not None:  # the markers' count against the items' (a conversation: its first turn's)
         expand_markers(text, items)
