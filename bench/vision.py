@@ -21,7 +21,16 @@ with other jobs slows it far less). The results record the distance of each of o
 rows (the exact path's must be float32 noise: the two compute the same function) and the speed of
 each as torch's time over ours (1.0: as fast as PyTorch).
 
-Results: bench/results/vision.json; the table of docs/bench/vision.md is printed at the end.
+Then (`--parts ttft`) the encode's share of a multimodal prompt's time to first token: a text
+model of the real widths, bench/graph.py's (`kimi-k3-synth --preset large --experts 8`: hidden
+7168, 4 layers: dense, 2 KDA + MoE, MLA + DSA + MoE), converted here, and the tower above paired
+with it; the prompt `[BOS]<__media__>Describe the picture in one line.` with each image, through
+`generate_media` (the library call kimi-k3-cli makes) on the fast path, as a user runs it, until
+its first token: the image read and preprocessed, encoded, the merged prompt prefilled (runs of
+ids and rows), the first token sampled. Wall time at --threads, the best of --repeats; the parts
+from the generation's timings.
+
+Results: bench/results/vision.json; the tables of docs/bench/vision.md are printed at the end.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -46,10 +56,16 @@ sys.path.insert(0, str(REPO))
 import convert_kimi_k3  # noqa: E402
 from bench.graph import cpu_features  # noqa: E402
 from bench.moonvit_torch import MoonViT  # noqa: E402
+from ggml_graph_spec.engine.model import Model  # noqa: E402
+from ggml_graph_spec.generation.events import StopRules, Timings  # noqa: E402
+from ggml_graph_spec.generation.media import generate_media  # noqa: E402
+from ggml_graph_spec.generation.sampling import Sampler, SamplingParams  # noqa: E402
 from ggml_graph_spec.vision.encode import VisionEncoder  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "vision.json"
 SIZES = (448, 896)
+TEXT_SYNTH = ["--preset", "large", "--experts", "8"]  # bench/graph.py's model
+PROMPT = "[BOS]<__media__>Describe the picture in one line."
 # K3's vision_config (tests/fixtures/reference/kimi-k3-config.json) but the depth.
 VISION = {"_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
           "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64, "linear_bias": False,
@@ -85,8 +101,9 @@ def _weights(vision: dict, seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def make_tower(workdir: Path, blocks: int, seed: int) -> tuple[Path, dict]:
-    """A checkpoint directory holding only the tower (what --mmproj-only reads), and its mmproj."""
+def make_tower(workdir: Path, blocks: int, seed: int, placeholder: int = 163605) -> tuple[Path, dict]:
+    """A checkpoint directory holding only the tower (what --mmproj-only reads), and its mmproj;
+    placeholder: the text model's <|media_pad|> id (K3's by default)."""
     model = workdir / "tower"
     model.mkdir(parents=True, exist_ok=True)
     vision = {**VISION, "vt_num_hidden_layers": blocks}
@@ -94,7 +111,7 @@ def make_tower(workdir: Path, blocks: int, seed: int) -> tuple[Path, dict]:
     weights = _weights(vision, seed)
     save_file(weights, str(model / shard), metadata={"format": "pt"})
     (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {n: shard for n in weights}}))
-    config = {"architectures": ["KimiK3ForConditionalGeneration"], "media_placeholder_token_id": 163605,
+    config = {"architectures": ["KimiK3ForConditionalGeneration"], "media_placeholder_token_id": placeholder,
               "text_config": {"hidden_size": vision["text_hidden_size"]}, "vision_config": vision}
     (model / "config.json").write_text(json.dumps(config))
     mmproj = workdir / "tower-mmproj.gguf"
@@ -166,16 +183,58 @@ def table(results: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kimi-vision-bench"))
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    mmproj, vision = make_tower(a.workdir, a.blocks, a.seed)
+def make_text_model(workdir: Path) -> tuple[Path, int]:
+    """bench/graph.py's synthetic K3.1-Pro converted (reused when there), and its <|media_pad|> id."""
+    ckpt, gguf = workdir / "k31pro-large", workdir / "k31pro-large.gguf"
+    if not (ckpt / "config.json").exists():
+        subprocess.run([str(Path(sys.executable).parent / "kimi-k3-synth"), str(ckpt), *TEXT_SYNTH, "--overwrite"],
+                       check=True)
+    if not gguf.exists():
+        assert convert_kimi_k3.main([str(ckpt), str(gguf), "--quiet"]) == 0
+    return gguf, json.loads((ckpt / "config.json").read_text())["media_placeholder_token_id"]
+
+
+def _first_token(model: Model, enc: VisionEncoder, image: Image.Image) -> dict:
+    """One prompt with `image` until its first token: wall seconds, and the generation's parts."""
+    model.reset()
+    timings = Timings()
+    start = time.perf_counter()
+    gen = generate_media(model, enc, PROMPT, [image], Sampler(SamplingParams(temp=0)),
+                         StopRules(frozenset(), n_predict=1), timings=timings)
+    next(iter(gen))
+    ttft = time.perf_counter() - start
+    return {"ttft_s": ttft, "encode_s": timings.encode_s, "prefill_s": timings.prompt_s,
+            "prompt_positions": timings.prompt_tokens, "rest_s": ttft - timings.encode_s - timings.prompt_s}
+
+
+def bench_ttft(text_gguf: Path, mmproj: Path, threads: int, repeats: int) -> list[dict]:
+    """Per image size, the best of `repeats` first tokens (by TTFT), on the fast path."""
+    model = Model.load(text_gguf, n_ctx=4096, n_threads=threads)
+    out = []
+    try:
+        with VisionEncoder.open(mmproj, exact=False, threads=threads) as enc:
+            model.eval([model.tokenizer.bos_id])  # pages the weights in, as the runner's warm-up
+            for size in SIZES:
+                runs = [_first_token(model, enc, _image(size, size)) for _ in range(repeats)]
+                best = min(runs, key=lambda r: r["ttft_s"])
+                out.append({"size": size, "runs": runs, "best": best, "encode_share": best["encode_s"] / best["ttft_s"]})
+                print(json.dumps(out[-1]["best"]), flush=True)
+    finally:
+        model.close()
+    return out
+
+
+def ttft_table(results: dict) -> list[str]:
+    lines = ["| image | prompt positions | time to first token (s) | encode (s) | prefill (s) | other (s) | "
+             "encode's share |", "|---|---|---|---|---|---|---|"]
+    for r in results["ttft"]:
+        b = r["best"]
+        lines.append(f"| {r['size']}x{r['size']} | {b['prompt_positions']} | {b['ttft_s']:.2f} | {b['encode_s']:.2f} | "
+                     f"{b['prefill_s']:.2f} | {b['rest_s']:.2f} | {100 * r['encode_share']:.0f}% |")
+    return lines
+
+
+def _encode_part(a: argparse.Namespace, mmproj: Path, vision: dict) -> dict:
     weights = {k: v.float() for k, v in load_file(str(a.workdir / "tower" / "model-00001-of-000001.safetensors")).items()}
     baseline = MoonViT(weights, vision, vision["projector_ln_eps"])
     results = {"machine": machine(a.threads), "tower": {"blocks": a.blocks, "vision_config": vision}, "sizes": []}
@@ -186,8 +245,33 @@ def main() -> None:
             results["sizes"].append(bench_size(size, encoders, baseline, a.threads, a.repeats))
             print(json.dumps(results["sizes"][-1]["best_s"]), flush=True)
     results["machine"]["load_average_at_end"] = os.getloadavg()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kimi-vision-bench"))
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default="encode,ttft",
+                    help="encode (against PyTorch), ttft (the share of the time to first token), or both; a part "
+                         "not run keeps its results from the JSON")
+    a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    torch.set_num_threads(a.threads)
+    text_gguf, placeholder = make_text_model(a.workdir) if "ttft" in parts else (None, 163605)
+    mmproj, vision = make_tower(a.workdir, a.blocks, a.seed, placeholder)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if "encode" in parts:
+        results.update(_encode_part(a, mmproj, vision))
+    if "ttft" in parts:
+        results["ttft_machine"] = {**machine(a.threads), "text_model": TEXT_SYNTH, "prompt": PROMPT}
+        results["ttft"] = bench_ttft(text_gguf, mmproj, a.threads, a.repeats)
+        results["ttft_machine"]["load_average_at_end"] = os.getloadavg()
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    print("\n".join(table(results)))
+    print("\n".join(table(results) + [""] + (ttft_table(results) if "ttft" in results else [])))
 
 
 if __name__ == "__main__":

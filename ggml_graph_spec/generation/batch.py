@@ -14,18 +14,50 @@ while the others decode. The MoE weights are read once a step for all of them (g
 
 What a request's sequence holds is its business: the caller picks the sequence (the server's slot)
 and whether its cached tokens are a prefix of the prompt (`prompt` is then only the rest).
+
+A prompt is token ids, or runs in order (a prompt with images: `MergedPrompt.segments`, or
+media.py): token id runs and embedding-row runs (float32 [n, n_embd], an image's rows in place of
+token embeddings). A step feeds a request one run at most (the engine takes a sequence's ids or its
+rows in one call, not both), or its next `prefill_chunk` positions of it.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence, Union
 
 import numpy as np
 
 from ..engine.model import Model
 from .events import Reply, StopRules, Timings, TokenEvent, stop_reason
 from .sampling import Sampler, log_softmax, top_logprobs
+
+Run = Union[Sequence[int], np.ndarray]  # token ids, or embedding rows float32 [n, n_embd]
+Prompt = Union[Sequence[int], Sequence[np.ndarray]]  # token ids, or runs in order
+
+
+def is_rows(run: Run) -> bool:
+    return isinstance(run, np.ndarray) and run.dtype.kind == "f"
+
+
+def prompt_runs(prompt: Prompt) -> list[Run]:
+    """A prompt as runs: token ids (or one array) are one run; a list of arrays is the runs already
+    (empty ones left out)."""
+    if isinstance(prompt, np.ndarray):
+        return [prompt] if len(prompt) else []
+    if len(prompt) and all(isinstance(r, np.ndarray) for r in prompt):
+        return [r for r in prompt if len(r)]
+    return [list(prompt)] if len(prompt) else []
+
+
+def prompt_length(prompt: Prompt) -> int:
+    """The positions a prompt takes in its sequence (a row takes one, as a token does)."""
+    return sum(len(r) for r in prompt_runs(prompt))
+
+
+def _ids(runs: list[Run]) -> list[int]:
+    """The runs' token ids, in order, without the rows (what the sampler's penalties see)."""
+    return [int(t) for r in runs if not is_rows(r) for t in r]
 
 
 @dataclass(eq=False)
@@ -37,7 +69,7 @@ class Request:
     stop: StopRules
     show: Callable[[int], bool]  # which tokens' text is part of the reply
     logprobs: int  # top alternatives per token to report (0: only the sampled token's, -1: none)
-    todo: list[int]  # tokens still to feed: the prompt's rest, or the last sampled token
+    todo: list[Run]  # runs still to feed: the prompt's rest, or the last sampled token
     decoder: object  # the tokenizer's StreamDecoder
     reply: Reply = field(default_factory=Reply)
     prefilling: bool = True
@@ -59,16 +91,18 @@ class BatchGenerator:
     def active(self) -> list[Request]:
         return list(self._requests)
 
-    def add(self, seq: int, prompt: list[int], sampler: Sampler, stop: StopRules, *,
+    def add(self, seq: int, prompt: Prompt, sampler: Sampler, stop: StopRules, *,
             show: Callable[[int], bool] = lambda _t: True, logprobs: int = -1) -> Request:
-        """A new request on sequence seq, whose cached tokens come before `prompt`."""
+        """A new request on sequence seq, whose cached tokens come before `prompt` (token ids, or
+        runs of ids and rows)."""
         if any(r.seq == seq for r in self._requests):
             raise ValueError(f"sequence {seq} already has an active request")
-        if not prompt:
+        runs = prompt_runs(prompt)
+        if not runs:
             raise ValueError("a request needs at least one prompt token")
-        sampler.accept(prompt)
-        r = Request(seq, sampler, stop, show, logprobs, list(prompt), self.tokenizer.stream_decoder(),
-                    prompt_tokens=len(prompt), t_start=time.perf_counter())
+        sampler.accept(_ids(runs))
+        r = Request(seq, sampler, stop, show, logprobs, runs, self.tokenizer.stream_decoder(),
+                    prompt_tokens=sum(map(len, runs)), t_start=time.perf_counter())
         self._requests.append(r)
         return r
 
@@ -106,13 +140,14 @@ class BatchGenerator:
             events.append((r, self._sample(r, logits[r.seq])))
         return events
 
-    def _next_input(self, r: Request) -> list[int]:
-        n = min(self.prefill_chunk, len(r.todo)) if r.prefilling else len(r.todo)
-        ids, r.todo = r.todo[:n], r.todo[n:]
+    def _next_input(self, r: Request) -> Run:
+        run = r.todo[0]
+        n = min(self.prefill_chunk, len(run)) if r.prefilling else len(run)
+        r.todo = ([run[n:]] if n < len(run) else []) + r.todo[1:]
         r.reply.pending = None
-        return ids
+        return run[:n]
 
-    def _account(self, seconds: float, feed: dict[int, list[int]]) -> None:
+    def _account(self, seconds: float, feed: dict[int, Run]) -> None:
         prefill = sum(len(v) for r in self._requests if r.prefilling for v in [feed[r.seq]])
         decode = sum(len(feed[r.seq]) for r in self._requests if not r.prefilling)
         share = seconds / max(1, prefill + decode)
@@ -144,6 +179,6 @@ class BatchGenerator:
         if reply.reason:
             self._requests.remove(r)
         else:
-            r.todo = [token]
+            r.todo = [[token]]
         return TokenEvent(token, piece, None if lp is None else float(lp[token]),
                           top_logprobs(lp, r.logprobs) if lp is not None else None, reply.reason or None)

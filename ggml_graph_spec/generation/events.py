@@ -28,13 +28,18 @@ class Timings:
     eval_runs: int = 0
     sample_s: float = 0.0
     samples: int = 0
+    encode_s: float = 0.0  # images and clips through the vision encoder
+    encoded: int = 0
 
     def lines(self) -> list[str]:
-        total = self.load_s + self.prompt_s + self.eval_s + self.sample_s
+        total = self.load_s + self.encode_s + self.prompt_s + self.eval_s + self.sample_s
         sampling = [f"{'sampling time':>17} = {self.sample_s * 1e3:10.2f} ms / {self.samples:5d} runs   "
                     f"{_rate(self.sample_s, self.samples)}"] if self.samples else []
+        encoding = [f"{'media encode time':>17} = {self.encode_s * 1e3:10.2f} ms / {self.encoded:5d} items"
+                    ] if self.encoded else []
         return [
             f"{'load time':>17} = {self.load_s * 1e3:10.2f} ms",
+            *encoding,
             *sampling,
             f"{'prompt eval time':>17} = {self.prompt_s * 1e3:10.2f} ms / {self.prompt_tokens:5d} tokens "
             f"{_rate(self.prompt_s, self.prompt_tokens)}",

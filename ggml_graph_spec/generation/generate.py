@@ -14,12 +14,12 @@ may stop at any token (`stop()`); the caches then hold exactly the tokens evalua
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 from gguf_arch.errors import KimiError
 
 from ..engine.model import Model
-from .batch import BatchGenerator
+from .batch import BatchGenerator, Prompt, prompt_length
 from .events import Reply, StopRules, Timings, TokenEvent
 from .sampling import Sampler
 
@@ -28,20 +28,26 @@ class GenerationError(KimiError):
     """A prompt the sequence cannot take (exit code 2)."""
 
 
+def check_fits(model: Model, seq: int, n: int) -> None:
+    """GenerationError unless a prompt of n positions fits sequence seq with room for a reply."""
+    if not n:
+        raise GenerationError("the prompt tokenizes to no tokens")
+    if model.seq_pos(seq) + n >= model.n_ctx:
+        raise GenerationError(f"the prompt is {model.seq_pos(seq) + n} tokens, the context -c "
+                              f"{model.n_ctx}: raise -c or shorten the prompt")
+
+
 class Generation:
-    def __init__(self, model: Model, tokens: Sequence[int], sampler: Sampler, stop: StopRules, *, seq: int = 0,
+    def __init__(self, model: Model, tokens: Prompt, sampler: Sampler, stop: StopRules, *, seq: int = 0,
                  timings: Timings | None = None, show: Callable[[int], bool] = lambda _t: True,
                  logprobs: int = -1, stop_requested: Callable[[], bool] = lambda: False):
-        """stop_requested: asked after each model call (a Ctrl-C flag): True ends the generation
-        there, "interrupted", with what was fed in the caches and nothing more sampled."""
-        if not tokens:
-            raise GenerationError("the prompt tokenizes to no tokens")
-        if model.seq_pos(seq) + len(tokens) >= model.n_ctx:
-            raise GenerationError(f"the prompt is {model.seq_pos(seq) + len(tokens)} tokens, the context -c "
-                                  f"{model.n_ctx}: raise -c or shorten the prompt")
+        """tokens: token ids, or runs of ids and rows (batch.py). stop_requested: asked after each
+        model call (a Ctrl-C flag): True ends the generation there, "interrupted", with what was
+        fed in the caches and nothing more sampled."""
+        check_fits(model, seq, prompt_length(tokens))
         self._batch = BatchGenerator(model, timings=timings)
         self._stop_requested = stop_requested
-        self._request = self._batch.add(seq, list(tokens), sampler, stop, show=show, logprobs=logprobs)
+        self._request = self._batch.add(seq, tokens, sampler, stop, show=show, logprobs=logprobs)
 
     @property
     def reply(self) -> Reply:
@@ -63,6 +69,6 @@ class Generation:
         return self._batch.cancel(self._request, reason)
 
 
-def generate(model: Model, tokens: Sequence[int], sampler: Sampler, stop: StopRules, **kwargs) -> Generation:
+def generate(model: Model, tokens: Prompt, sampler: Sampler, stop: StopRules, **kwargs) -> Generation:
     """Generation's constructor, by the name mlx-lm and llama.cpp use for it."""
     return Generation(model, tokens, sampler, stop, **kwargs)

@@ -7,6 +7,14 @@ caches as the tokens it sampled. A reply cut short (Ctrl-C, -n, a reverse prompt
 the EOS token before the next turn, as llama-cli does, so the next turn starts after a finished
 one. `-i` without a template feeds the user's text as it is.
 
+With --mmproj a turn may hold images and clips (the command line's go with the first turn,
+`/image FILE` and `/video F0,F1` add one to the next): its user message's content is then parts,
+the text around its `<__media__>` markers and each item's part, which the template renders with its
+own media placeholder (the built-in K3 template: K3's media block); each placeholder token of the
+turn's new tokens is replaced by its item's rows (generation/media.py). A turn whose markers or
+placeholders do not match its items, or a file that cannot be used, is an error line; the
+conversation goes on.
+
 The input loop reads lines from a terminal (prompt `> `, a line ending in `\\` continues on the
 next one) or from a pipe (no prompt); `/exit` or the end of input ends the conversation.
 """
@@ -19,15 +27,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
+from gguf_arch.errors import KimiError
 from gguf_arch.io.console import UsageError
 
 from ..engine.model import Model
+from ..generation.batch import Prompt
 from ..generation.events import Reply, StopRules, Timings
-from ..generation.generate import generate
+from ..generation.generate import check_fits, generate
+from ..generation.media import media_runs, plan_media
 from ..generation.sampling import Sampler
 from ..text.chat_template import ChatTemplate, ReplyFilter
 from ..text.tokenizer import BPETokenizer
+from ..vision.encode import VisionEncoder
+from ..vision.preprocess import MediaError, MediaItem
+from ..vision.prompt import PromptError, expand_markers, media_content
 from .interrupt import Interrupt, sigint_stops
+from .media import command_item, media_command
 
 EXIT_COMMAND = "/exit"
 
@@ -70,25 +85,51 @@ class Conversation:
     sampler: Sampler
     stop: StopRules
     template: ChatTemplate | None  # None: -i, the user's text goes in as it is
+    encoder: VisionEncoder | None = None  # with --mmproj: turns may hold images and clips
     messages: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[MediaItem] = field(default_factory=list)  # the next turn's images and clips
     _rendered: str = ""  # the template's rendering of `messages`, without a generation prompt
     _unevaluated: list[int] = field(default_factory=list)  # the end of the last reply, not yet in the caches
 
-    def new_tokens(self, user_text: str) -> list[int]:
-        """The tokens this turn adds to the caches: the end of the last reply, then the turn."""
+    def new_tokens(self, user_text: str, items: list[MediaItem] | None = None) -> list[int]:
+        """The tokens this turn adds to the caches: the end of the last reply, then the turn (with
+        its items, one placeholder each). The user message is kept only once it renders."""
         first = self.model.n_past == 0 and not self._unevaluated
+        if self.encoder is not None and not items:
+            expand_markers(user_text, [])  # a marker without its image or clip is an error
         if self.template is None:
-            text = user_text
+            text = expand_markers(user_text, items) if items else user_text
         else:
-            self.messages.append({"role": "user", "content": user_text})
-            full = self.template.render(self.messages, add_generation_prompt=True)
+            message = {"role": "user", "content": media_content(user_text, items) if items else user_text}
+            full = self.template.render(self.messages + [message], add_generation_prompt=True)
             text = full[_common_prefix(self._rendered, full):]
+            self.messages.append(message)
         ids = self.tokenizer.encode(text, add_bos=None if first else False)
         return self._unevaluated + ids
 
+    def new_input(self, user_text: str, timings: Timings) -> Prompt:
+        """new_tokens, with the pending items' rows in place of their placeholders (runs of ids
+        and rows; checked to fit the context before anything is encoded)."""
+        items, self.pending = self.pending, []
+        tokens = self.new_tokens(user_text, items)
+        if not items:
+            return tokens
+        try:
+            prompt = plan_media(self.encoder, tokens, items)
+        except PromptError:
+            if self.template is not None:
+                self.messages.pop()  # the turn is not held: the template lost or added a placeholder
+            raise
+        check_fits(self.model, 0, len(prompt))
+        return media_runs(self.model, self.encoder, prompt, timings)
+
+    def attach(self, command: str, arg: str) -> None:
+        """A /image or /video line: its item goes with the next turn."""
+        self.pending.append(command_item(self.encoder, command, arg))
+
     def turn(self, user_text: str, out: TextIO, timings: Timings, interrupt: Interrupt | None = None) -> Reply:
         """Feed the user's turn, stream the reply to `out`, and keep what the next turn needs."""
-        tokens = self.new_tokens(user_text)
+        tokens = self.new_input(user_text, timings)
         self.sampler.reset()
         show = ReplyFilter(self.tokenizer) if self.template is not None else (lambda _t: True)
         reply = stream(generate(self.model, tokens, self.sampler, self.stop, timings=timings, show=show,
@@ -176,6 +217,11 @@ def _read(reader: LineReader, out: TextIO) -> str | None:
         raise
 
 
+def _media_turn_error(exc: KimiError) -> None:
+    # A turn's media that cannot be used ends that turn, not the conversation (llama-mtmd-cli).
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
 def converse(conversation: Conversation, first: str | None, reader: LineReader, out: TextIO,
              timings: Timings) -> None:
     """Turns until /exit or the end of input; Ctrl-C during a reply ends that reply only."""
@@ -185,11 +231,21 @@ def converse(conversation: Conversation, first: str | None, reader: LineReader, 
             pending = _read(reader, out)
             if pending is None or pending.strip() == EXIT_COMMAND:
                 break
-        if pending.strip():
-            with sigint_stops() as interrupt:
-                conversation.turn(pending, out, timings, interrupt)
-            out.write("\n")
-            out.flush()
+        command = media_command(pending)
+        try:
+            if command is not None:
+                conversation.attach(*command)
+            elif pending.strip():
+                with sigint_stops() as interrupt:
+                    conversation.turn(pending, out, timings, interrupt)
+                out.write("\n")
+                out.flush()
+        except (MediaError, PromptError) as exc:
+            _media_turn_error(exc)
+        except UsageError as exc:  # a /image or /video line without --mmproj or a file
+            if command is None:
+                raise
+            _media_turn_error(exc)
         pending = None
     if reader.terminal:
         out.write("\n")

@@ -24,6 +24,7 @@ from ..engine.model import Model
 from ..engine.options import DEFAULT_CTX, LoadOptions
 from ..generation.events import StopRules, Timings
 from ..generation.generate import generate
+from ..generation.media import generate_media, media_prompt
 from ..generation.perplexity import chunk_count, perplexity
 from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP,
                                    DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams)
@@ -33,6 +34,7 @@ from .args import (add_context_arguments, add_model_argument, add_model_argument
                    load_options)
 from .chat import Conversation, add_chat_arguments, parse_template_kwargs, run_interactive, stream
 from .interrupt import sigint_stops
+from .media import MediaInput, add_media_arguments, check_media
 from .summary import summary
 from .validation import RANDOM_SEED, UsageError, check_options
 
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     add_context_arguments(p)
     add_placement_arguments(p)
+    add_media_arguments(p)
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
@@ -131,7 +134,7 @@ def _log(lines: Sequence[str], prefix: str = "") -> None:
 
 
 def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
-                    timings: Timings) -> bool:
+                    timings: Timings, _media: None) -> bool:
     tokens = tokenizer.encode(text)
     n_ctx = model.n_ctx
 
@@ -170,19 +173,24 @@ def _stop_rules(args: argparse.Namespace, tokenizer: BPETokenizer) -> StopRules:
 
 
 def _run_completion(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
-                    timings: Timings) -> bool:
-    if not args.no_display_prompt:
-        sys.stdout.write(text)
+                    timings: Timings, media: MediaInput | None) -> bool:
+    prompt = None if media is None else media_prompt(model, media.encoder, text, media.items)
+    if not args.no_display_prompt:  # with media: the media blocks the model reads
+        sys.stdout.write(text if prompt is None else prompt.text)
+    sampler, stop = _sampler(args, model, tokenizer), _stop_rules(args, tokenizer)
     with sigint_stops() as interrupt:
-        generation = generate(model, tokenizer.encode(text), _sampler(args, model, tokenizer),
-                              _stop_rules(args, tokenizer), timings=timings, stop_requested=lambda: interrupt.requested)
+        flag = lambda: interrupt.requested  # noqa: E731
+        generation = (generate(model, tokenizer.encode(text), sampler, stop, timings=timings, stop_requested=flag)
+                      if prompt is None else
+                      generate_media(model, media.encoder, prompt, (), sampler, stop, timings=timings,
+                                     stop_requested=flag))
         reply = stream(generation, sys.stdout)
     print()
     return reply.reason == "interrupted"
 
 
 def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str | None,
-                      timings: Timings) -> bool:
+                      timings: Timings, media: MediaInput | None) -> bool:
     template, template_line = None, ""
     if args.mode == "chat":
         kwargs = parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs else {}
@@ -191,7 +199,7 @@ def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPEToke
     elif text is not None and not args.no_display_prompt:
         sys.stdout.write(text)
     conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),
-                                template)
+                                template, encoder=media and media.encoder, pending=list(media.items) if media else [])
     run_interactive(conversation, text, args.system_prompt, template_line, timings, _log)
     return False
 
@@ -211,18 +219,21 @@ def run(args: argparse.Namespace) -> None:
     options = load_options(args, progress=sys.stderr.isatty())  # one load path: LoadOptions, Model.load
     args.mode = run_mode(args)
     text = _read_text(args.file) if args.file is not None else args.prompt
+    media = check_media(args, text)
     timings = Timings()
     t = time.perf_counter()
     model = load(args.model, options)
     tokenizer = model.tokenizer
-    timings.load_s = time.perf_counter() - t
     try:
-        _log(summary(model))
+        if media is not None:  # the same path as the model's: F32 everywhere with --exact-experts
+            media.open(exact=args.exact_experts, threads=args.threads)
+        timings.load_s = time.perf_counter() - t
+        _log(summary(model) + (media.summary() if media is not None else []))
         if args.mode != "perplexity":
             args.seed = _draw_seed(args.seed)
             _log([f"sampler seed: {args.seed}"])
         try:
-            interrupted = _RUNNERS[args.mode](args, model, tokenizer, text, timings)
+            interrupted = _RUNNERS[args.mode](args, model, tokenizer, text, timings, media)
         except KeyboardInterrupt:  # Ctrl-C at a conversation's prompt, or during perplexity
             interrupted = True
         _log(timings.lines(), prefix="kimi_k3_perf: ")
@@ -231,6 +242,8 @@ def run(args: argparse.Namespace) -> None:
         if interrupted:  # llama-cli prints the timings, then exits 130
             raise KeyboardInterrupt
     finally:
+        if media is not None:
+            media.close()
         model.close()
 
 

@@ -27,6 +27,7 @@ from . import http, protocol
 from .engine import Engine
 from .errors import EXCEED_CONTEXT, LOADING, NOT_SUPPORTED, ApiError, bad_request, unavailable
 from .jobs import Job
+from .media import Vision
 from .metrics import registry_for, render
 from .replies import Reply, Shapes
 from .slot_files import ACTIONS
@@ -46,8 +47,8 @@ class HttpSettings:
 class Server:
     """What the handlers share: the settings, and once loaded the engine, tokenizer and template."""
 
-    def __init__(self, settings: HttpSettings, log) -> None:
-        self.settings, self.log = settings, log
+    def __init__(self, settings: HttpSettings, log, vision: Vision | None = None) -> None:
+        self.settings, self.log, self.vision = settings, log, vision
         self.engine: Engine | None = None
         self.template: ChatTemplate | None = None
         self.props: dict = {}
@@ -182,15 +183,21 @@ async def _generate(server: Server, request: Request, chat: bool) -> Response:
     tok = engine.model.tokenizer
     params = protocol.gen_request(body, [], chat, tok.eos_id)  # every field checked before any tokenizing
     if chat:
-        prompt = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok)
+        prompt, images = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok, server.vision)
     else:
-        prompt = await run_in_threadpool(protocol.completion_prompt, body, tok)
-    gen = replace(params, prompt=prompt)
+        prompt, images = await run_in_threadpool(protocol.completion_prompt, body, tok), []
+    media = server.vision.plan(prompt, images) if images else None
+    if media is not None:  # the rows' positions count; the rows are no tokens the prompt cache can compare
+        prompt = media.merged.token_ids.tolist()
     n_ctx = engine.model.n_ctx
     if len(prompt) >= n_ctx:
         raise ApiError(400, EXCEED_CONTEXT, f"the request exceeds the available context size: the prompt is "
                        f"{len(prompt)} tokens, a slot holds {n_ctx} (-c / -np)", n_prompt_tokens=len(prompt),
                        n_ctx=n_ctx)
+    gen = replace(params, prompt=prompt)
+    if media is not None:  # encoded only once the prompt is known to fit
+        runs = await run_in_threadpool(server.vision.runs, engine.model, media)
+        gen = replace(gen, runs=runs, cache_prompt=False)
     job = Job(gen, asyncio.get_running_loop())
     engine.submit(job)
     shapes, reply = Shapes(server.settings.alias, chat, job.id), Reply(gen, tok)

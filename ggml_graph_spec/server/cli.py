@@ -28,15 +28,19 @@ from gguf_arch.io.jsonfile import read_text
 
 from ..engine.model import Model
 from ..engine.options import DEFAULT_CTX
+from ..generation.media import check_encoder
 from ..runner.args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                           load_options)
 from ..runner.chat import parse_template_kwargs
 from ..runner.cli import load
+from ..runner.media import add_mmproj_argument, check_mmproj
 from ..runner.summary import summary
 from ..runner.validation import cap_threads
 from ..text.chat_template import chat_template
+from ..vision.encode import VisionEncoder
 from .app import HttpSettings, Server, model_props
 from .engine import Engine
+from .media import Vision
 from .service import Service, bind
 from .slot_files import SlotFiles
 
@@ -90,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     add_context_arguments(p)  # -b (the most prompt tokens a slot feeds in one step), -ub, -ctk
     add_placement_arguments(p)
+    add_mmproj_argument(p)
     return p
 
 
@@ -172,6 +177,10 @@ def start_engine(model: Model, service: Service, a: argparse.Namespace) -> Engin
     if a.slot_save_path is not None:
         a.slot_save_path.mkdir(parents=True, exist_ok=True)
         files = SlotFiles(a.slot_save_path)
+    if a.mmproj is not None:  # image_url parts (server/media.py), on the model's path
+        encoder = VisionEncoder.open(a.mmproj, exact=a.exact_experts, threads=a.threads)
+        service.server.vision = Vision(encoder)
+        check_encoder(model, encoder)
     engine = Engine(model, queue_size=a.queue, checkpoints=a.ctx_checkpoints, prefill_chunk=a.batch_size,
                     slot_files=files, log=service.server.log)
     service.attach(engine, template, model_props(model, a.api_key is not None, where))
@@ -201,6 +210,8 @@ def run(a: argparse.Namespace) -> int:
     options = load_options(a, n_seq=a.parallel, progress=sys.stderr.isatty())
     if a.chat_template_file is not None:
         _read_text(a.chat_template_file)  # a missing template is an error before the model loads
+    if a.mmproj is not None:
+        check_mmproj(a.mmproj, a.model)  # another model's mmproj too
     try:
         sock = bind(a.host, a.port)
     except OSError as exc:
@@ -222,6 +233,8 @@ def run(a: argparse.Namespace) -> int:
         return _serve(model, service, a)
     finally:
         service.stop()  # a no-op after an orderly stop; after a failure, ends the threads first
+        if service.server.vision is not None:
+            service.server.vision.close()
         model.close()
 
 

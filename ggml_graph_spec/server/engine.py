@@ -23,6 +23,7 @@ from typing import Callable
 
 from gguf_arch.errors import KimiError
 
+from ..engine.inputs import EMBEDDING_POS
 from ..engine.model import Model
 from ..generation.batch import BatchGenerator, Request
 from ..generation.events import StopRules
@@ -203,7 +204,8 @@ class Engine:
         sampler.accept(req.prompt[:cached])  # the penalties see the whole prompt, cached or not
         eog = frozenset() if req.ignore_eos or self._eos is None else frozenset({self._eos})
         show = ReplyFilter(self.model.tokenizer) if req.chat else (lambda _t: True)
-        request = self.batch.add(slot.id, req.prompt[cached:], sampler, StopRules(eog, req.max_tokens, req.stop),
+        prompt = req.prompt[cached:] if req.runs is None else req.runs  # with images: runs of ids and rows
+        request = self.batch.add(slot.id, prompt, sampler, StopRules(eog, req.max_tokens, req.stop),
                                  show=show, logprobs=req.logprobs)
         slot.busy, slot.history = True, list(req.prompt[:cached])
         self._running[request] = job
@@ -229,9 +231,9 @@ class Engine:
     def _checkpoint(self, request: Request) -> None:
         """The slot's state at the end of the prompt (until the next step feeds the sampled token,
         the sequence holds exactly the prompt)."""
-        slot = self.slots[request.seq]
-        if slot.keep:
-            slot.remember(Checkpoint(tuple(self.model.seq_tokens(request.seq)), self.model.state_get(request.seq)))
+        slot, tokens = self.slots[request.seq], self.model.seq_tokens(request.seq)
+        if slot.keep and EMBEDDING_POS not in tokens:  # a prompt with images is never reused (server/media.py)
+            slot.remember(Checkpoint(tuple(tokens), self.model.state_get(request.seq)))
 
     def _finish(self, request: Request, reason: str) -> None:
         job = self._running.pop(request)

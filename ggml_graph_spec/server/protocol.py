@@ -17,7 +17,9 @@ from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT
                                    DEFAULT_TOP_K, DEFAULT_TOP_P, SamplingParams)
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import BPETokenizer
+from ..vision.preprocess import MediaItem
 from .errors import bad_request
+from .media import Vision, image_parts
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_STOP_STRINGS = 16
@@ -39,6 +41,7 @@ class GenRequest:
     chat: bool  # a chat reply: special tokens and the template's tag markup are not text
     cache_prompt: bool  # may reuse a slot's cached prefix (llama-server's cache_prompt)
     ignore_eos: bool
+    runs: list | None = None  # a prompt with images: runs of ids and rows (prompt then has -1 at the rows)
 
 
 def get_field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any = _UNSET) -> Any:
@@ -203,18 +206,20 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def chat_prompt(body: Mapping[str, Any], template: ChatTemplate, tokenizer: BPETokenizer) -> list[int]:
+def chat_prompt(body: Mapping[str, Any], template: ChatTemplate, tokenizer: BPETokenizer,
+                vision: Vision | None = None) -> tuple[list[int], list[MediaItem]]:
     """/v1/chat/completions' messages rendered with the chat template (and the request's
-    chat_template_kwargs), tokenized as kimi-k3-cli tokenizes a conversation's first turn."""
+    chat_template_kwargs), tokenized as kimi-k3-cli tokenizes a conversation's first turn; and
+    the images of its image_url parts, in order (server/media.py)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' is required: a non-empty list of messages")
-    checked = [_message(m, i) for i, m in enumerate(messages)]
+    checked, items = image_parts([_message(m, i) for i, m in enumerate(messages)], vision)
     kwargs = get_field(body, "chat_template_kwargs", (dict,), "an object", {})
     if {"messages", "add_generation_prompt"} & set(kwargs):
         raise bad_request("'chat_template_kwargs' may not set 'messages' or 'add_generation_prompt'")
     text = _render(lambda: template.render(checked, add_generation_prompt=True, **kwargs))
-    return tokenizer.encode(text)
+    return tokenizer.encode(text), items
 
 
 def _render(render: Callable[[], str]) -> str:

@@ -23,7 +23,7 @@ from gguf_arch.io.console import cpu_count
 
 from .preprocess import MediaItem, load_media, media_item
 from .tower import VisionGraph, build_tower
-from .weights import VisionWeights, load_mmproj
+from .weights import MmprojFile, VisionWeights, load_mmproj
 
 # Graph nodes per encoder block (with its RoPE and records) and for the rest, generously.
 _NODES_PER_BLOCK = 64
@@ -42,12 +42,18 @@ class VisionEncoder:
         self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
 
     @classmethod
-    def open(cls, path: Path | str, *, exact: bool = True, threads: int | None = None) -> "VisionEncoder":
-        return cls(load_mmproj(path, exact=exact), threads)
+    def open(cls, source: MmprojFile | Path | str, *, exact: bool = True, threads: int | None = None
+             ) -> "VisionEncoder":
+        """source: an mmproj path, or the file weights.open_mmproj checked."""
+        return cls(load_mmproj(source, exact=exact), threads)
 
     @property
     def cfg(self) -> VisionConfig:
         return self.weights.cfg
+
+    def n_rows(self, item: MediaItem) -> int:
+        """The rows `encode(item)` gives: one per merge x merge group of a frame's patches."""
+        return item.grid[1] * item.grid[2] // self.cfg.merge_kernel ** 2
 
     def encode(self, item: MediaItem, taps: bool = False) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
         """The item's rows [N, D_text] float32; with taps also every stage (tower.STAGES, blockN)

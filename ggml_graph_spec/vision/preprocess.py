@@ -21,6 +21,7 @@ longer than the tower's time table are one-line `MediaError`s naming the file.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import warnings
@@ -82,24 +83,37 @@ def open_image(path: Path | str) -> Image.Image:
     path = Path(path)
     try:
         os.close(open_regular(path))  # a FIFO under the name would block Pillow's open forever
-        with warnings.catch_warnings():
-            # Sizes past Pillow's limit are refused here, before decoding, in this module's words.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(path, formats=FORMATS)
-        if image.width * image.height > MAX_PIXELS:
-            raise MediaError(f"{path}: {image.width}x{image.height} pixels, more than the {MAX_PIXELS} an image "
-                             "may have (Pillow's decompression-bomb limit)")
-        image.load()
     except FileNotFoundError:
         raise MediaError(f"{path}: not found") from None
     except NotRegularFile as exc:
         raise MediaError(f"{path}: {exc}") from None
+    return _decode(path, str(path))
+
+
+def image_from_bytes(data: bytes, where: str) -> Image.Image:
+    """An image file's bytes (a data: URI's, say) decoded whole, with open_image's checks; `where`
+    names it in messages."""
+    return _decode(io.BytesIO(data), where)
+
+
+def _decode(source: Path | io.BytesIO, where: str) -> Image.Image:
+    try:
+        with warnings.catch_warnings():
+            # Sizes past Pillow's limit are refused here, before decoding, in this module's words.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(source, formats=FORMATS)
+        if image.width * image.height > MAX_PIXELS:
+            raise MediaError(f"{where}: {image.width}x{image.height} pixels, more than the {MAX_PIXELS} an image "
+                             "may have (Pillow's decompression-bomb limit)")
+        image.load()
+    except FileNotFoundError:
+        raise MediaError(f"{where}: not found") from None
     except Image.UnidentifiedImageError:
-        raise MediaError(f"{path}: not a PNG, JPEG or WebP image") from None
+        raise MediaError(f"{where}: not a PNG, JPEG or WebP image") from None
     except Image.DecompressionBombError as exc:
-        raise MediaError(f"{path}: refused by Pillow's decompression-bomb limit ({exc})") from None
+        raise MediaError(f"{where}: refused by Pillow's decompression-bomb limit ({exc})") from None
     except (OSError, ValueError, SyntaxError) as exc:
-        raise MediaError(f"{path}: cannot be decoded ({type(exc).__name__}: {exc})") from None
+        raise MediaError(f"{where}: cannot be decoded ({type(exc).__name__}: {exc})") from None
     return image
 
 

@@ -39,15 +39,41 @@ def media_block(item: MediaItem) -> str:
     return f"{MEDIA_BEGIN}{what}{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
 
 
+def _texts(text: str, n_items: int, marker: str) -> list[str]:
+    """The text around the markers: n_items + 1 pieces (no marker at all: the items go in front)."""
+    parts = text.split(marker)
+    if len(parts) == 1 and n_items:
+        parts = [""] * n_items + [text]
+    if len(parts) - 1 != n_items:
+        raise PromptError(f"the prompt has {len(parts) - 1} media marker(s) {marker} for {n_items} media item(s); "
+                          "give one marker per image or clip, in order")
+    return parts
+
+
 def expand_markers(text: str, items: Sequence[MediaItem], marker: str = MEDIA_MARKER) -> str:
     """The prompt text with each marker replaced by its item's media block."""
-    parts = text.split(marker)
-    if len(parts) == 1 and items:
-        parts = [""] * len(items) + [text]
-    if len(parts) - 1 != len(items):
-        raise PromptError(f"the prompt has {len(parts) - 1} media marker(s) {marker} for {len(items)} media item(s); "
-                          "give one marker per image or clip, in order")
+    parts = _texts(text, len(items), marker)
     return parts[0] + "".join(media_block(item) + rest for item, rest in zip(items, parts[1:]))
+
+
+def media_part(item: MediaItem) -> dict:
+    """An item as a chat message's content part, for a chat template to render with its own media
+    placeholder: {"type": "image", "width", "height"} (the original size, as the media block
+    names it), or {"type": "video", "frames", "width", "height"}."""
+    width, height = item.size
+    if item.is_video:
+        return {"type": "video", "frames": item.grid[0], "width": width, "height": height}
+    return {"type": "image", "width": width, "height": height}
+
+
+def media_content(text: str, items: Sequence[MediaItem], marker: str = MEDIA_MARKER) -> list[dict]:
+    """A user message's content as parts in order: the text around the markers ({"type": "text"},
+    empty pieces left out) and each item's part (media_part), under the markers' rule."""
+    parts = _texts(text, len(items), marker)
+    out = [{"type": "text", "text": parts[0]}]
+    for item, rest in zip(items, parts[1:]):
+        out += [media_part(item), {"type": "text", "text": rest}]
+    return [p for p in out if p["type"] != "text" or p["text"]]
 
 
 @dataclass(frozen=True)

@@ -140,12 +140,29 @@ def check_pairing(vcfg: VisionConfig, where: str, text_hidden_size: int, media_p
                         f"<|media_pad|> is {media_pad_id}: an mmproj of another model")
 
 
-def load_mmproj(path: Path | str, *, exact: bool = True) -> VisionWeights:
-    """Open, validate and load a Kimi K3 mmproj (one file or the first part of a split)."""
+@dataclass(frozen=True)
+class MmprojFile:
+    """An mmproj whose keys and tensors were checked: nothing of it has reached ggml yet."""
+
+    path: Path
+    cfg: VisionConfig
+    plan: list[PlannedTensor] = field(repr=False)
+    found: dict[str, Any] = field(repr=False)  # GGUF name -> gguf-py tensor
+
+
+def open_mmproj(path: Path | str) -> MmprojFile:
+    """Open and validate a Kimi K3 mmproj (one file or the first part of a split), without ggml:
+    what a runner checks before it loads anything."""
     path = Path(path)
     meta, found = _found_tensors(path)
     vcfg = vision_config_from_metadata(meta, str(path))
-    plan = check_tensors(vcfg, found, str(path))
-    table = _f32(found[V_POS_EMBD]).reshape(vcfg.pos_emb_height, vcfg.pos_emb_width, vcfg.hidden_size)
-    ctx, buffer, tensors = _upload(plan, found, exact, str(path))
-    return VisionWeights(path, vcfg, exact, tensors, table, ctx, buffer)
+    return MmprojFile(path, vcfg, check_tensors(vcfg, found, str(path)), found)
+
+
+def load_mmproj(source: MmprojFile | Path | str, *, exact: bool = True) -> VisionWeights:
+    """Load a Kimi K3 mmproj (a path, or the file open_mmproj checked) onto ggml's CPU backend."""
+    mm = source if isinstance(source, MmprojFile) else open_mmproj(source)
+    vcfg = mm.cfg
+    table = _f32(mm.found[V_POS_EMBD]).reshape(vcfg.pos_emb_height, vcfg.pos_emb_width, vcfg.hidden_size)
+    ctx, buffer, tensors = _upload(mm.plan, mm.found, exact, str(mm.path))
+    return VisionWeights(mm.path, vcfg, exact, tensors, table, ctx, buffer)

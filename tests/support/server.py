@@ -86,4 +86,6 @@ class LiveServer:
         try:
             assert self.service.stop(), "the HTTP server did not stop"
         finally:
+            if self.service.server.vision is not None:
+                self.service.server.vision.close()
             self.model.close()

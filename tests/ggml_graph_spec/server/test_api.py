@@ -246,8 +246,11 @@ HOSTILE_CHAT = [
     ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "'messages[0].role' must be one of"),
     ("no messages", {"messages": []}, 400, "'messages' is required"),
     ("content of a wrong type", {"messages": [{"role": "user", "content": 7}]}, 400, "must be a string or a list"),
-    ("an image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "renders text parts only"),
+    ("an image without --mmproj", {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                             "image_url": {"url": "x"}}]}]},
+     400, "'messages[0].content[0]' is an image: this server has no vision encoder"),
+    ("an audio part", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     400, "renders text, image and video parts, not input_audio"),
     ("top_logprobs over 20", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
      400, "'top_logprobs' must be in [0, 20]"),
 ]
