@@ -11,7 +11,10 @@ shared with bench/graph.py), fast path, --threads threads:
             tokens prefilled together, then --steps decode steps of one token per sequence, timed
             (the model call only: sampling is argmax); tokens_per_s = N * steps / time. The counts
             take turns, --repeats rounds, and the best round of each counts (the machine may be
-            shared). ratio_to_1 = tokens_per_s / the 1-sequence tokens_per_s of this run.
+            shared). ratio_to_1 = tokens_per_s / the 1-sequence tokens_per_s of this run. The process's
+            CPU time is recorded too (tokens_per_cpu_s, cpu_ratio_to_1): on a machine shared with
+            other jobs the wall clock measures the neighbours; with --threads 1 the CPU time is the
+            computation's own (with more threads it includes ggml's threads spinning at barriers).
   budget    the same decode under --mem-budget at a third of the GGUF (a child process per count,
             1 and 4 sequences): bytes read per generated token, from the executor's counters (the
             streamed trunks and the missed experts) and from /proc/self/io (what reached the disk);
@@ -19,6 +22,9 @@ shared with bench/graph.py), fast path, --threads threads:
             (bench/memory.py: the real expert shapes, 17.5 MB an MXFP4 expert, 32 experts of which a
             token uses 4, a small trunk; ~3.9 GB): the graph model's layers are 2.3 GB each, and a
             budget holds two layer slots at least, so a third of it does not run at all.
+  ops       the CPU time of each op kind in one decode step with 1 and with the most sequences
+            (bench/op_profile.py: node by node, one thread, the fastest of 3 steps): which ops share
+            their weight reads across the sequences and which do not.
   caches    the cache bytes per sequence and token of context (the MLA latent and the indexer
             keys) and per sequence (the KDA states), as SequenceCache reports them, against the
             formula from the config; the run stops if they differ.
@@ -72,8 +78,8 @@ m.close()
 
 def cache_formula(cfg) -> dict[str, int]:
     """Bytes per sequence and token of context, and per sequence, from the config alone."""
-    latent_row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2  # F16 on the fast path
-    index_row = cfg.indexer.head_dim * 4 if cfg.indexer is not None else 0
+    latent_row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2  # F16: the fast path's default (-ctk)
+    index_row = cfg.indexer.head_dim * 2 if cfg.indexer is not None else 0  # F16 (--cache-type-indexer)
     kda = cfg.kda
     per_kda_layer = 4 * (3 * (kda.conv_kernel - 1) * kda.proj_dim + kda.head_dim * kda.head_dim * kda.num_heads)
     n_dsa = sum(cfg.is_dsa(l) for l in cfg.mla_layers) if cfg.indexer is not None else 0
@@ -95,25 +101,52 @@ def speed(gguf: Path, a: argparse.Namespace) -> tuple[list[dict], dict]:
         caches = {**m.cache.bytes_per_token(), "kda_states": m.cache.bytes_per_sequence()}
         m.decode({0: [1]})  # pages the weights in, starts the thread pool and the allocator
         best: dict[int, float] = {}
+        cpu: dict[int, float] = {}
         for _ in range(a.repeats):
             for n in a.sequences:
                 m.reset()
                 out = m.decode(_prompts(n, a.prompt))
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 for _ in range(a.steps):
                     out = m.decode({s: [int(np.argmax(out[s]))] for s in range(n)})
                 best[n] = min(best.get(n, float("inf")), time.perf_counter() - t)
-                print(f"  {n} sequence(s): {n * a.steps / best[n]:.2f} tokens/s (best so far)", file=sys.stderr)
+                cpu[n] = min(cpu.get(n, float("inf")), time.process_time() - c)
+                print(f"  {n} sequence(s): {n * a.steps / best[n]:.2f} tokens/s, {n * a.steps / cpu[n]:.2f} "
+                      "tokens per CPU-second (best so far)", file=sys.stderr)
         cfg = m.cfg
     finally:
         m.close()
-    base = a.steps / best[1]
+    base, base_cpu = a.steps / best[1], a.steps / cpu[1]
     rows = [{"sequences": n, "tokens_per_s": n * a.steps / best[n], "ratio_to_1": n * a.steps / best[n] / base,
-             "mem_budget": None, "decode_s": best[n]} for n in a.sequences]
+             "mem_budget": None, "decode_s": best[n], "tokens_per_cpu_s": n * a.steps / cpu[n],
+             "cpu_ratio_to_1": n * a.steps / cpu[n] / base_cpu} for n in a.sequences]
     formula = cache_formula(cfg)
     if formula != caches:
         raise SystemExit(f"error: the caches' bytes {caches} differ from the formula {formula}")
     return rows, {"measured": caches, "formula": formula}
+
+
+def op_split(gguf: Path, a: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per op kind, seconds of one decode step with 1 and with max(a.sequences) sequences."""
+    from bench.op_profile import per_op, profiling
+    from ggml_graph_spec.engine.model import Model
+    from ggml_graph_spec.engine.options import LoadOptions
+
+    n_max = max(a.sequences)
+    m = Model.load(gguf, LoadOptions(n_ctx=(a.prompt + 4) * n_max, n_seq=n_max, n_threads=1))
+    split = {}
+    try:
+        for n in (1, n_max):
+            m.reset()
+            out = m.decode(_prompts(n, a.prompt))
+            records: list = []
+            with profiling(records):
+                for _ in range(3):
+                    out = m.decode({s: [int(np.argmax(out[s]))] for s in range(n)})
+            split[str(n)] = per_op(records)
+    finally:
+        m.close()
+    return split
 
 
 def budget_rows(gguf: Path, a: argparse.Namespace) -> list[dict]:
@@ -145,10 +178,13 @@ def plot(rows: list[dict], path: Path) -> None:
     left.plot(n, [r["tokens_per_s"] for r in rows], "o-")
     left.set(xlabel="sequences decoding together", ylabel="aggregate decode tokens/s", xscale="log", xticks=n)
     left.set_xticklabels(n)
-    right.plot(n, [r["ratio_to_1"] for r in rows], "o-", label="measured")
+    left.set_xticks([], minor=True)
+    right.plot(n, [r["ratio_to_1"] for r in rows], "o-", label="wall clock")
+    right.plot(n, [r["cpu_ratio_to_1"] for r in rows], "s--", label="CPU time")
     right.plot(n, [2.5 if x == 4 else 4 if x == 8 else None for x in n], "x", label="goal")
     right.set(xlabel="sequences decoding together", ylabel="ratio to 1 sequence", xscale="log", xticks=n)
     right.set_xticklabels(n)
+    right.set_xticks([], minor=True)
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -169,17 +205,19 @@ def main() -> None:
     dsa, _no_dsa = prepare(a.workdir)
     print(f"speed on {dsa.name}, {a.threads} threads", file=sys.stderr)
     rows, caches = speed(dsa, a)
+    ops = op_split(dsa, a)
     budget = [] if a.no_budget else budget_rows(memory_model(a.workdir / "memory"), a)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpu": cpu_features(), "arch": platform.machine(),
               "cores": os.cpu_count(), "load_average": os.getloadavg()},
               "model": dsa.name, "threads": a.threads, "prompt": a.prompt, "steps": a.steps, "repeats": a.repeats,
-              "runs": rows + budget, "caches_bytes": caches}
+              "runs": rows + budget, "caches_bytes": caches, "ops_s": ops}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     plot(rows, a.json.with_suffix(".png"))
     for r in rows + budget:
+        cpu = f", CPU time {r['cpu_ratio_to_1']:.2f}x" if "cpu_ratio_to_1" in r else ""
         print(f"{r['sequences']} seq{'' if r['mem_budget'] is None else ' (mem-budget)'}: "
-              f"{r['tokens_per_s']:.2f} tok/s, {r['ratio_to_1']:.2f}x")
+              f"{r['tokens_per_s']:.2f} tok/s, {r['ratio_to_1']:.2f}x{cpu}")
 
 
 if __name__ == "__main__":
