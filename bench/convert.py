@@ -5,7 +5,8 @@ from the page cache, at 1 and 2 threads; the CPU each stage costs per GB.
 
 On one synthetic K3.1-Pro checkpoint in the real on-disk format (`kimi-k3-synth --preset large
 --variant k31pro`: real hidden size 7168, real expert shapes, 4 layers, 64 MXFP4 experts, 9.1 GB;
-~40 GB free needed with the half-experts checkpoint, one output and one copy), in one run, each
+~28 GB free from scratch: the checkpoint, then at most the stages' output and scratch, 2 x 9.1
+GB, at once; ~36 GB once the half-experts checkpoint is kept from an earlier run), in one run, each
 into WORKDIR/out on the same file system:
   from disk   the page cache dropped before each step (as root: /proc/sys/vm/drop_caches; where
               that is refused, posix_fadvise(DONTNEED) on every shard and output file, said in
@@ -258,7 +259,6 @@ def _measured(workdir: Path, llama_cpp: bool) -> dict:
     """Every measurement, in an order that keeps each from-disk step after a cache drop."""
     model, half = workdir / "k31pro-large", workdir / f"k31pro-large-e{EXPERTS // 2}"
     synth(model, EXPERTS)
-    synth(half, EXPERTS // 2)
     nbytes = sum(p.stat().st_size for p in _shards(model))
     out = workdir / "out"
     m = {"nbytes": nbytes, "shards": len(_shards(model)), "drop": drop_method(), "disk": bounds(model, nbytes, out),
@@ -274,6 +274,7 @@ def _measured(workdir: Path, llama_cpp: bool) -> dict:
         prepare_cache(model, True, out)
         runs["llama_cpp_from_disk"] = measure([sys.executable, "-c", LLAMA_RUNNER, str(llama_dir), str(model),
                                                str(_fresh(out) / "k-llama.gguf")], nbytes)
+    synth(half, EXPERTS // 2)  # only now: the stages' output and scratch (2 x 9.1 GB) are gone
     m["half_bytes"] = sum(p.stat().st_size for p in _shards(half))
     prepare_cache(half, True, out)
     runs["ours_half_experts_from_disk"] = measure([*_ours(max(THREADS)), str(half), str(_fresh(out) / "k-half.gguf")],
@@ -340,7 +341,7 @@ def _print_summary(r: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, required=True,
-                   help="where the checkpoints, llama.cpp's sources and the outputs go (needs ~40 GB free); "
+                   help="where the checkpoints, llama.cpp's sources and the outputs go (needs ~28 GB free, ~36 GB with the checkpoints of an earlier run kept); "
                         "checkpoints already there are reused")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip llama.cpp's converter (it needs the bench extra's transformers)")

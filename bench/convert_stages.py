@@ -11,8 +11,9 @@ Stages, in CPU seconds per GB (10^9 checkpoint bytes):
   non_finite_scan   io/nonfinite.py over every tensor byte of the GGUF
   digest            the manifest's hash (BLAKE3, io/digests.py) over the same bytes; the SHA-256
                     of manifests before it is measured beside it (digest_sha256_before), not summed
-  write             the converter's writer (io/direct_io.py: staging copy, O_DIRECT writes, fsync)
-                    putting the output's size on disk
+  write             the converter's writer (io/direct_io.py: O_DIRECT writes, fsync) putting the
+                    output's size on disk from chunks laid out as the converter's reach it
+                    (io/buffers.py: written straight from their memory, no staging copy)
 Every chunk the scan and the digests see is copied into memory first (as the converter's buffers
 are), so the page faults of reading the GGUF count for no stage.
 """
@@ -94,8 +95,10 @@ def _produce(model: Path) -> float:
 
 
 def _write(scratch: Path, nbytes: int) -> float:
+    from gguf_arch.io.buffers import placed
     from gguf_arch.io.direct_io import SequentialWriter
-    chunk = np.ones(CHUNK, np.uint8)  # not zeros: no page of it may be shared
+    chunk = placed(CHUNK, 0)  # laid out as the converter's chunks reach the writer (every offset is k * CHUNK)
+    chunk[:] = 1  # not zeros: no page of it may be shared
     scratch.mkdir(parents=True, exist_ok=True)
     path = scratch / "written"
 

@@ -50,8 +50,9 @@ _BYTE = np.uint16(8)
 _BLOCKS_PER_STEP = 32768
 
 
-def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """One expert matrix -> ggml block_mxfp4 bytes, uint8 [rows, cols/32 * 17].
+def repack_to_ggml(packed: np.ndarray, scale: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """One expert matrix -> ggml block_mxfp4 bytes, uint8 [rows, cols/32 * 17], written into `out`
+    when given (writable, C-contiguous, that many bytes: a buffer the writer writes from).
 
     Source byte i of a block holds codes 2i (low nibble) and 2i+1 (high): codes 0..15 are in
     bytes 0..7 ("first"), codes 16..31 in bytes 8..15 ("second"). ggml wants qs[j] = code[j] |
@@ -66,7 +67,7 @@ def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     rows, nblocks = _check_pair(packed, scale)
     n = rows * nblocks
     halves = np.ascontiguousarray(packed).reshape(n, BLOCK // 2).view(np.uint64)  # [n, 2]: first, second
-    out = np.empty(n, dtype=_GGML_BLOCK)
+    out = np.empty(n, dtype=_GGML_BLOCK) if out is None else out.reshape(-1).view(_GGML_BLOCK)
     out["e"] = np.ascontiguousarray(scale).reshape(n)
     qs_out = out["qs"]
     step = max(1, min(n, _BLOCKS_PER_STEP))

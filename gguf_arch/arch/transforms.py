@@ -15,7 +15,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..errors import CheckpointError
-from .mxfp4 import repack_to_ggml
+from .mxfp4 import BLOCK_BYTES, repack_to_ggml
+from ..io.buffers import placed
 from ..io.console import cpu_count
 from ..io.pipeline import ahead
 from ..io.safetensors import ShardArray, to_f32
@@ -45,21 +46,23 @@ def _flat(a: np.ndarray | ShardArray) -> np.ndarray | ShardArray:
     return a.reshape(-1) if isinstance(a, ShardArray) else np.ascontiguousarray(a).reshape(-1)
 
 
-def _byte_chunks(a: np.ndarray | ShardArray) -> Chunks:
+def _byte_chunks(a: np.ndarray | ShardArray, place: int | None = None) -> Chunks:
     flat = _flat(a)
     step = max(1, CHUNK_BYTES // flat.dtype.itemsize)
     if isinstance(flat, ShardArray):  # read ahead as the checkpoint allows, straight into the written buffer
-        for chunk in flat.flat_chunks(step):
+        for chunk in flat.flat_chunks(step, place):
             yield memoryview(chunk.view(np.uint8))
         return
     for start in range(0, flat.size, step):
         yield memoryview(np.asarray(flat[start:start + step]).view(np.uint8))
 
 
-def _cast_chunks(dtype: str, a: np.ndarray | ShardArray, out: Q) -> Chunks:
-    """The array's bytes at the output type: passthrough when it already is that type."""
+def _cast_chunks(dtype: str, a: np.ndarray | ShardArray, out: Q, place: int | None = None) -> Chunks:
+    """The array's bytes at the output type: passthrough when it already is that type (`place`:
+    where its first byte goes in the output file, so that its reads land where the writer
+    writes from: `ShardArray.flat_chunks`)."""
     if SAME_BYTES.get(dtype) == out:
-        yield from _byte_chunks(a)
+        yield from _byte_chunks(a, place)
         return
     if out != Q.F32:
         raise ValueError(f"no conversion from {dtype} to {out.name}")
@@ -73,10 +76,10 @@ def _only(pt: PlannedTensor) -> str:
     return pt.sources[0][0]
 
 
-def copy(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
+def copy(pt: PlannedTensor, out: Q, read: Read, place: int | None = None) -> Chunks:
     """Same values; a reshape (conv1d [P,1,K] -> (1,P,1,K)) keeps the row-major bytes too."""
     dtype, a = read(_only(pt))
-    return _cast_chunks(dtype, a, out)
+    return _cast_chunks(dtype, a, out, place)
 
 
 def neg_exp_heads(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
@@ -118,22 +121,38 @@ def kv_b_v(pt: PlannedTensor, out: Q, read: Read) -> Chunks:
     return _cast_chunks(dtype, per_head[:, per_head.shape[1] - v:, :], out)
 
 
-def _repack(pair: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    return _flat_bytes(repack_to_ggml(*pair))
+def _expert_bytes(scale: np.ndarray) -> int:
+    """The bytes of one expert as ggml blocks: a 17-byte block per scale byte."""
+    return scale.size * BLOCK_BYTES
 
 
-def mxfp4_experts(pt: PlannedTensor, out: Q, read: Read, threads: int | None = None) -> Chunks:
+def _repack(job: tuple[np.ndarray, np.ndarray, int | None]) -> np.ndarray:
+    packed, scale, place = job
+    out = None if place is None else placed(_expert_bytes(scale), place)
+    return repack_to_ggml(packed, scale, out).reshape(-1)
+
+
+def mxfp4_experts(pt: PlannedTensor, out: Q, read: Read, threads: int | None = None,
+                  place: int | None = None) -> Chunks:
     """[n_expert, rows, cols] block_mxfp4, yielded one expert at a time (bounded memory).
 
     The nibble work of the next few experts runs on worker threads (numpy releases the GIL), so a
     many-core machine repacks in parallel; only views are taken on the caller's thread. `threads`:
-    how many (the converter's -j; None: REPACK_AHEAD).
+    how many (the converter's -j; None: REPACK_AHEAD). `place`: the output file offset of the
+    first expert; each expert is repacked into a buffer laid out for its own (`buffers.placed`),
+    which the writer writes without a copy.
     """
     if out != Q.MXFP4:
         raise ValueError(f"{pt.name}: routed experts are written as MXFP4, not {out.name}")
     names = [name for name, _ in pt.sources]
-    pairs = ((np.asarray(read(p)[1]), np.asarray(read(s)[1])) for p, s in zip(names[0::2], names[1::2]))
-    for block in ahead(_repack, pairs, threads or REPACK_AHEAD):
+
+    def jobs():
+        at = place
+        for p, s in zip(names[0::2], names[1::2]):
+            packed, scale = np.asarray(read(p)[1]), np.asarray(read(s)[1])
+            yield packed, scale, at
+            at = None if at is None else at + _expert_bytes(scale)
+    for block in ahead(_repack, jobs(), threads or REPACK_AHEAD):
         yield memoryview(block)
 
 
@@ -148,9 +167,14 @@ TRANSFORMS: dict[str, Callable[[PlannedTensor, Q, Read], Chunks]] = {
 }
 
 
-def tensor_chunks(pt: PlannedTensor, out: Q, read: Read, threads: int | None = None) -> Chunks:
+def tensor_chunks(pt: PlannedTensor, out: Q, read: Read, threads: int | None = None,
+                  place: int | None = None) -> Chunks:
     """The bytes of GGUF tensor `pt` at type `out`, in file order; `threads` bounds the experts
-    repacked at once (the only transform with work worth spreading over cores)."""
+    repacked at once (the only transform with work worth spreading over cores). `place`: the
+    tensor's offset in the output file, for the transforms that lay their chunks out for the
+    writer (a copy and the experts; the others are copied into its staging buffers)."""
     if pt.transform == "mxfp4_experts":
-        return mxfp4_experts(pt, out, read, threads)
+        return mxfp4_experts(pt, out, read, threads, place)
+    if pt.transform in ("copy", "reshape"):
+        return copy(pt, out, read, place)
     return TRANSFORMS[pt.transform](pt, out, read)

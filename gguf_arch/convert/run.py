@@ -18,7 +18,7 @@ from ..arch.mmproj import ARCH as MMPROJ_ARCH
 from ..arch.vision import load_vision_config
 from ..arch.transforms import tensor_chunks
 from ..errors import Interrupted
-from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
+from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, tensor_offsets, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
 from ..io.output_lock import lock_path, output_lock
 from ..io.output_paths import OutputPaths
@@ -161,13 +161,17 @@ def _together(planned: list[_Planned]) -> _Planned:
 
 
 def source_chunks_for(p: _Planned, ckpt, output: OutputOptions, log) -> Callable[[OutputTensor], Iterator]:
-    """Each output tensor's final bytes, scanned for non-finite values (what the writer pulls)."""
+    """Each output tensor's final bytes, scanned for non-finite values (what the writer pulls).
+    A tensor written as the transforms produce it has them laid out for its offset in the file
+    (`tensor_chunks`' place), so the writer writes them without a copy."""
     by_name = {o.output.name: o.tensor for o in p.plan.outputs}
     decided = {d.name: d for d in p.types.decisions}
+    places = {name: at for f in p.todo for name, at in tensor_offsets(f.layout, f.size).items()}
 
     def source_chunks(t: OutputTensor) -> Iterator:
         d, pt = decided[t.name], by_name[t.name]
-        chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read, output.repack_ahead), log)
+        place = places.get(t.name) if d.final_type == d.contract_type else None
+        chunks = final_chunks(d, tensor_chunks(pt, d.contract_type, ckpt.read, output.repack_ahead, place), log)
         return checked_chunks(t, pt.sources[0][0], chunks, output.allow_non_finite, output.threads)
     return source_chunks
 

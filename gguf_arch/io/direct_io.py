@@ -6,18 +6,21 @@ time (page-cache copies and writeback), the same bytes written with O_DIRECT 2.3
 10.2 s and 9.1 CPU-s buffered, 7.2 s and 0.7 CPU-s with O_DIRECT. A converter streaming 1.5 TB
 also has no use for the bytes in the page cache: they would only evict what is still to be read.
 
-Reads (`pread_direct`): the range is widened to whole blocks, read into a block-aligned buffer,
-and the caller gets a view of the bytes it asked for: no copy. Or (`pread_direct_at`, which
-pread_direct is built on) the blocks go straight to the caller's memory, laid out so that the
-bytes land where it wants them. Small reads stay buffered (the kernel's read-ahead serves runs
-of small tensors better than one device round trip each).
+Reads (`pread_direct_at`): the range is widened to whole blocks and read straight to the
+caller's memory, laid out so that the bytes land where it wants them; or (`pread_direct_into`) into
+a buffer whose surrounding blocks are its own, straight in when its address allows, else through
+this thread's scratch buffer and one copy. Small reads stay buffered (the kernel's read-ahead
+serves runs of small tensors better than one device round trip each).
 
 Writes (`SequentialWriter`): O_DIRECT wants the buffer address, the file offset and the length
-aligned to the device's block. Chunks of any size are therefore copied into page-aligned
-staging buffers (anonymous mmap) and written a whole buffer at a time, two writes in flight, so
-the disk writes while the caller fills the next buffer. The last, partial block is padded with zeros, written, and the file
-is cut back to its true size. Where the file system refuses O_DIRECT (tmpfs, some network file
-systems: EINVAL on the flag or on the first write) the same writes go through the page cache.
+aligned to the device's block. A chunk whose address is congruent to its file offset modulo
+BLOCK (the converter produces its large chunks so: `buffers.placed`) has its whole blocks written
+straight from its memory; the bytes at its two ends, and every other chunk, are copied into
+page-aligned staging buffers (anonymous mmap) written a whole buffer at a time. Writes run on two
+threads, so the disk writes while the caller fills the next buffer. The last, partial block is
+padded with zeros, written, and the file is cut back to its true size. Where the file system
+refuses O_DIRECT (tmpfs, some network file systems: EINVAL on the flag or on the first write) the
+same writes go through the page cache.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -43,13 +47,10 @@ STAGING_BUFFERS = 3
 WRITERS = 2
 # Reads from this size up go around the page cache.
 DIRECT_READ_MIN = 1 << 20
+# Chunks from this size up are written straight from their memory when it is laid out for it
+# (smaller ones are gathered in the staging buffers: fewer, larger writes).
+STRAIGHT_WRITE_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none
-
-
-def _aligned(owner: np.ndarray, size: int) -> np.ndarray:
-    """`size` bytes of `owner` from its first block-aligned address."""
-    pad = -owner.ctypes.data % BLOCK
-    return owner[pad:pad + size]
 
 
 def open_direct(fd: int, path) -> int | None:
@@ -77,7 +78,8 @@ def pread_direct_at(fd: int, addr: int, offset: int, nbytes: int, chunk: int = 0
     to offset modulo BLOCK and those blocks the caller's. In requests of at most `chunk` bytes
     (a multiple of BLOCK; 0: one), `stop()` asked before each: True ends the read there. Returns
     the bytes of the range delivered (nbytes unless stopped). EOFError(the file's size) when the
-    file ends first; OSError(EINVAL) as pread_direct."""
+    file ends first; OSError(EINVAL) where the file system accepted the flag but refuses the
+    read (the caller reads buffered instead)."""
     lead = offset % BLOCK
     if (addr - offset) % BLOCK or chunk % BLOCK:
         raise ValueError(f"address {addr:#x} is not congruent to offset {offset} modulo {BLOCK}, or chunk {chunk} "
@@ -112,17 +114,35 @@ def scratch(offset: int, nbytes: int) -> int:
     return buf.ctypes.data + -buf.ctypes.data % BLOCK + offset % BLOCK
 
 
-def pread_direct(fd: int, offset: int, nbytes: int) -> memoryview:
-    """`nbytes` from `offset` of an O_DIRECT descriptor, as a view into a fresh block-aligned buffer.
-    EOFError(the file's size) when the file ends first; OSError(EINVAL) where the file system
-    accepted the flag but refuses the read (the caller reads buffered instead)."""
-    lead = offset % BLOCK
-    size = max(BLOCK, -(-(lead + nbytes) // BLOCK) * BLOCK)
-    # A numpy allocation (malloc often reuses a freed one), aligned by hand: a fresh mmap per read
-    # zero-filled every page again (cold 6.5 GB in 16 MiB reads: 5.9 CPU-s against 0.36).
-    buf = _aligned(np.empty(size + BLOCK, np.uint8), size)
-    pread_direct_at(fd, buf.ctypes.data + lead, offset, nbytes)
-    return memoryview(buf)[lead:lead + nbytes]
+def address(data) -> int:
+    """The address of the first byte of a C-contiguous buffer (a read-only one too)."""
+    return np.frombuffer(data, np.uint8).ctypes.data
+
+
+def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill `buf` (C-contiguous) from `offset` of a buffered descriptor; EOFError(the file's size)
+    when the file ends first."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise EOFError(os.fstat(fd).st_size)
+        done += n
+
+
+def pread_direct_into(fd: int, buf: np.ndarray, offset: int, room: bool = False) -> None:
+    """Fill `buf` (C-contiguous) from `offset` of an O_DIRECT descriptor. With `room` (the whole
+    blocks around buf are the caller's: `buffers.placed`) and an address congruent to offset
+    modulo BLOCK the blocks go straight in; otherwise through this thread's scratch buffer and
+    one copy. EOFError and OSError(EINVAL) as pread_direct_at."""
+    addr, nbytes = buf.ctypes.data, buf.nbytes
+    if room and (addr - offset) % BLOCK == 0:
+        pread_direct_at(fd, addr, offset, nbytes)
+        return
+    at = scratch(offset, nbytes)
+    pread_direct_at(fd, at, offset, nbytes)
+    ctypes.memmove(addr, at, nbytes)
 
 
 class SequentialWriter:
@@ -135,18 +155,37 @@ class SequentialWriter:
         self.direct = _set_direct(fd, True)
         self._buffers = [mmap.mmap(-1, staging_bytes) for _ in range(STAGING_BUFFERS)]
         self._pending: list[Future | None] = [None] * STAGING_BUFFERS
+        self._straight: deque[Future] = deque()  # writes from the callers' chunks, at most WRITERS
         self._lock = threading.Lock()  # turning O_DIRECT off while another write is in flight
         self._current = 0
         self._fill = 0  # bytes in the current buffer
-        self._flushed = 0  # file offset of the current buffer's first byte
+        self._flushed = 0  # file offset of the current buffer's first byte (always whole blocks)
         self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="kimi-k3-write")
 
     def tell(self) -> int:
         return self._flushed + self._fill
 
     def write(self, data) -> int:
-        """Append `data` (any C-contiguous buffer); returns its length."""
+        """Append `data` (any C-contiguous buffer); returns its length. A large chunk whose address
+        is congruent to tell() modulo BLOCK has its whole blocks written from its own memory: it
+        must not change until the writes are waited for (finish(), or close())."""
         view = memoryview(data).cast("B")
+        head = -self.tell() % BLOCK
+        body = (len(view) - head) // BLOCK * BLOCK if len(view) >= STRAIGHT_WRITE_MIN else 0
+        if body <= 0 or (address(view) + head) % BLOCK:
+            self._stage(view)
+            return len(view)
+        self._stage(view[:head])  # completes the staged block, so the staged bytes end on a block
+        if self._fill:
+            self._flush(self._fill)
+        self._straight.append(self._pool.submit(self._pwrite, view[head:head + body], self._flushed))
+        self._flushed += body
+        while len(self._straight) > WRITERS:
+            self._straight.popleft().result()
+        self._stage(view[head + body:])
+        return len(view)
+
+    def _stage(self, view: memoryview) -> None:
         done = 0
         while done < len(view):
             buf = self._buffers[self._current]
@@ -156,7 +195,6 @@ class SequentialWriter:
             done += n
             if self._fill == len(buf):
                 self._flush(len(buf))
-        return len(view)
 
     def finish(self) -> None:
         """Write what is staged (its last block zero-padded), cut the padding off, fsync."""
@@ -172,6 +210,7 @@ class SequentialWriter:
         """Stop the writer threads (waiting for their writes) and free the buffers; no error raised here."""
         self._pool.shutdown(wait=True)
         self._pending = [None] * STAGING_BUFFERS
+        self._straight.clear()
         for buf in self._buffers:
             try:
                 buf.close()
@@ -202,6 +241,8 @@ class SequentialWriter:
     def _wait_all(self) -> None:
         for i in range(STAGING_BUFFERS):
             self._wait(i)
+        while self._straight:
+            self._straight.popleft().result()
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         done, buffered = 0, not self.direct

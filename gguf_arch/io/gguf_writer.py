@@ -110,6 +110,17 @@ def file_size(layout: GGUFLayout) -> int:
     return len(header_bytes(layout)) + sum(padded(t.nbytes) for t in layout.tensors)
 
 
+def tensor_offsets(layout: GGUFLayout, size: int) -> dict[str, int]:
+    """Each tensor's offset in the file `write_gguf` writes for `layout` (`size`: its file_size;
+    the tensors' data, each padded to the alignment, ends the file)."""
+    at = size - sum(padded(t.nbytes) for t in layout.tensors)
+    offsets = {}
+    for t in layout.tensors:
+        offsets[t.name] = at
+        at += padded(t.nbytes)
+    return offsets
+
+
 def _pad(fout, alignment: int) -> None:
     fout.write(b"\0" * (-fout.tell() % alignment))
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
-from .direct_io import DIRECT_READ_MIN, open_direct, pread_direct
+from .buffers import placed
+from .direct_io import DIRECT_READ_MIN, open_direct, pread_direct_into, pread_into
 from .jsonfile import NotRegularFile, open_regular, read_json
 from .pipeline import ahead
 from .residency import Residency
@@ -180,17 +181,6 @@ def shard_stamp(path: Path) -> Stamp:
 WHOLE_BYTES = 16 << 20
 
 
-def _pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
-    """Fill `buf` from `offset`; EOFError(the file's size) when the file ends first."""
-    view = memoryview(buf).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise EOFError(os.fstat(fd).st_size)
-        done += n
-
-
 class ShardArray:
     """A large tensor not yet read: its shape and dtype, and its bytes read on demand, a range of
     leading-axis rows at a time (`a[i:j]`), through pread into a fresh buffer. `reshape` gives
@@ -233,12 +223,14 @@ class ShardArray:
         return self._ckpt.read_range(self._entry, start * row, max(0, stop - start) * row).reshape(
             (max(0, stop - start), *self.shape[1:]))
 
-    def flat_chunks(self, step: int):
+    def flat_chunks(self, step: int, place: int | None = None):
         """The values in C order, `step` elements at a time; with the checkpoint's `read_ahead`
         above 1, that many preads are in flight on threads (pread releases the GIL), so the disk
-        sees a queue instead of one request at a time while the caller hashes and writes."""
+        sees a queue instead of one request at a time while the caller hashes and writes. `place`:
+        the output file offset of the first value (read_range's, for each chunk)."""
         def read(start: int) -> np.ndarray:
-            return self._ckpt.read_range(self._entry, start, min(step, self.size - start))
+            at = None if place is None else place + start * self.dtype.itemsize
+            return self._ckpt.read_range(self._entry, start, min(step, self.size - start), at)
         starts = range(0, self.size, step)
         depth = self._ckpt.read_ahead
         return ahead(read, starts, depth) if depth > 1 else map(read, starts)
@@ -301,26 +293,35 @@ class Checkpoint:
             direct, residency = self._direct_fds[shard], self._residency[shard]
         return None if direct is None or residency.cached(offset, nbytes) else direct
 
-    def read_range(self, e: TensorEntry, first: int, count: int) -> np.ndarray:
+    def read_range(self, e: TensorEntry, first: int, count: int, place: int | None = None) -> np.ndarray:
         """Elements [first, first + count) of the tensor, flat, in a new read-only array; a short
-        read is a truncated shard (a CheckpointError), never a SIGBUS."""
+        read is a truncated shard (a CheckpointError), never a SIGBUS. A large range lands in a
+        `buffers.placed` array: at an address congruent to `place` (the range's offset in the
+        output file: the writer writes it without a copy), else to its offset in the shard (an
+        O_DIRECT read lands straight in it)."""
         dt = NUMPY_DTYPES[e.meta.dtype]
         offset = e.start + first * dt.itemsize
         try:
-            buf = self._read(e.shard, offset, count, dt)
+            buf = self._read(e.shard, offset, count * dt.itemsize, offset if place is None else place)
         except EOFError as end:
             want = self.stamps.get(e.shard)
             raise CheckpointError(f"{self.model_dir / e.shard}: tensor {e.name}: the shard ends at byte "
                                   f"{end.args[0]}, its header said {want[1] if want else -1} bytes "
                                   "(truncated while it was being read?)") from None
         buf.flags.writeable = False
-        return buf
+        return buf.view(dt)
 
-    def _read(self, shard: str, offset: int, count: int, dt: np.dtype) -> np.ndarray:
-        direct = self._direct_fd(shard, offset, count * dt.itemsize)
+    def _read(self, shard: str, offset: int, nbytes: int, place: int) -> np.ndarray:
+        if nbytes < max(1, DIRECT_READ_MIN):
+            buf = np.empty(nbytes, np.uint8)
+            pread_into(self._fd(shard), buf, offset)
+            return buf
+        buf = placed(nbytes, place)
+        direct = self._direct_fd(shard, offset, nbytes)
         if direct is not None:
             try:
-                return np.frombuffer(pread_direct(direct, offset, count * dt.itemsize), dt)
+                pread_direct_into(direct, buf, offset, room=True)
+                return buf
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -328,8 +329,7 @@ class Checkpoint:
                     if self._direct_fds.get(shard) == direct:  # not already closed by another reader
                         self._direct_fds[shard] = None
                         os.close(direct)
-        buf = np.empty(count, dtype=dt)
-        _pread_into(self._fd(shard), buf, offset)
+        pread_into(self._fd(shard), buf, offset)
         return buf
 
     def array(self, name: str) -> np.ndarray | ShardArray:

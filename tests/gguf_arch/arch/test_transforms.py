@@ -10,9 +10,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.arch import transforms
-from gguf_arch.io import pipeline
+from gguf_arch.io import buffers, pipeline
 from gguf_arch.errors import CheckpointError
 from gguf_arch.arch.mxfp4 import BLOCK_BYTES
+from gguf_arch.io.direct_io import BLOCK
 from gguf_arch.io.safetensors import open_checkpoint
 from gguf_arch.arch.tensors import TABLE, PlannedTensor, specs_by_gguf_template
 from gguf_arch.arch.transforms import TRANSFORMS, tensor_chunks
@@ -128,7 +129,14 @@ def real_size_checkpoint(tmp_path_factory):
     return d
 
 
-def test_real_size_bf16_passthrough_is_read_in_bounded_chunks(real_size_checkpoint, monkeypatch):
+@pytest.fixture
+def traced_buffers(monkeypatch):
+    """Every chunk buffer fresh memory, so that tracemalloc sees it (the reused set is a mapping
+    tracemalloc does not trace)."""
+    monkeypatch.setattr(buffers, "_shared", buffers.BufferSet(0))
+
+
+def test_real_size_bf16_passthrough_is_read_in_bounded_chunks(real_size_checkpoint, monkeypatch, traced_buffers):
     """The shards are read with pread (no map to SIGBUS): a 176 MB projection above WHOLE_BYTES is
     read a chunk at a time. At most two chunks live at once (the one the consumer still holds while
     the next is read), so 8 MiB chunks bound the peak at 16 MiB plus bookkeeping, whatever the
@@ -149,7 +157,7 @@ def test_real_size_bf16_passthrough_is_read_in_bounded_chunks(real_size_checkpoi
     assert peak < 2 * transforms.CHUNK_BYTES + (1 << 20)
 
 
-def test_real_size_experts_are_produced_one_expert_at_a_time(real_size_checkpoint, monkeypatch):
+def test_real_size_experts_are_produced_one_expert_at_a_time(real_size_checkpoint, monkeypatch, traced_buffers):
     monkeypatch.setattr(transforms, "REPACK_AHEAD", 1)
     with open_checkpoint(real_size_checkpoint) as ckpt:
         sources = tuple((n, ckpt.entries[n].meta.shape) for e in range(6) for n in (f"e{e}.p", f"e{e}.s"))
@@ -168,6 +176,24 @@ def test_real_size_experts_are_produced_one_expert_at_a_time(real_size_checkpoin
     # the repack's temporaries are ~1.5 MB), whatever the number of experts (896 in the real K3);
     # a non-streaming path would hold all 6 inputs or outputs.
     assert peak < 4 * one_expert
+
+
+def test_copies_and_experts_are_laid_out_for_their_offset_in_the_output(real_size_checkpoint):
+    """With the tensor's offset in the output file, every chunk of a copied tensor and every
+    repacked expert sits at an address congruent to its own offset there modulo BLOCK (the writer
+    writes its whole blocks without a copy), and the bytes are those produced without it."""
+    place = 10 ** 9 + 4096 * 3 + 77
+    with open_checkpoint(real_size_checkpoint) as ckpt:
+        sources = tuple((n, ckpt.entries[n].meta.shape) for e in range(6) for n in (f"e{e}.p", f"e{e}.s"))
+        for pt, qtype in [(_pt("blk.{l}.attn_q.weight", (12288, 7168), (("q", (12288, 7168)),)), Q.BF16),
+                          (_pt("blk.{l}.ffn_gate_exps.weight", (6, 3072, 3584), sources), Q.MXFP4)]:
+            at = place
+            for chunk, plain in zip(tensor_chunks(pt, qtype, ckpt.read, place=place),
+                                    tensor_chunks(pt, qtype, ckpt.read), strict=True):
+                assert np.frombuffer(chunk, np.uint8).ctypes.data % BLOCK == at % BLOCK, (pt.name, at - place)
+                assert chunk == plain, (pt.name, at - place)
+                at += len(chunk)
+            assert at - place == pt.shape[0] * pt.shape[1] * (2 if qtype == Q.BF16 else pt.shape[2] // 32 * BLOCK_BYTES)
 
 
 def test_ahead_keeps_order_and_bounds_the_work_in_flight():

@@ -1,6 +1,7 @@
 """-j/--threads changes how the work is spread over threads, never the bytes written: every GGUF
-and manifest is identical at -j 1 and -j 2, one file or split, for both fixtures, and with chunks
-small enough that every large-tensor read, read-ahead and scan queue holds many of them."""
+and manifest is identical at -j 1 and -j 2, one file or split, for both fixtures, with chunks
+small enough that every large-tensor read, read-ahead and scan queue holds many of them, and with
+the chunks laid out for the writer (written from the buffers they were read into)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,8 @@ import pytest
 
 from gguf_arch.arch import transforms
 from gguf_arch.convert.run import OutputOptions, convert
-from gguf_arch.io import safetensors
+from gguf_arch.io import direct_io, safetensors
+from gguf_arch.io.direct_io import BLOCK, SequentialWriter, address
 from gguf_arch.io.split import SplitLimits, parse_size
 from tests.support.cli import run_cli
 from tests.support.paths import K3_TINY, K31PRO_TINY
@@ -37,6 +39,34 @@ def test_output_bytes_do_not_depend_on_threads_or_chunking(model, split, tmp_pat
     monkeypatch.setattr(transforms, "CHUNK_BYTES", 2048)
     assert _convert(model, tmp_path / "j2-small", 2, split) == want
     assert _convert(model, tmp_path / "j1-small", 1, split) == want
+    _lay_out_small_chunks(monkeypatch)
+    assert _convert(model, tmp_path / "j2-laid-out", 2, split) == want
+
+
+def _lay_out_small_chunks(monkeypatch) -> None:
+    """The fixtures' tensors read in 16 KiB chunks into buffers laid out for the writer (as the
+    converter does from 1 MiB up), and written straight from those from 8 KiB up."""
+    monkeypatch.setattr(safetensors, "WHOLE_BYTES", 4096)
+    monkeypatch.setattr(safetensors, "DIRECT_READ_MIN", 4096)
+    monkeypatch.setattr(transforms, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(direct_io, "STRAIGHT_WRITE_MIN", 2 * BLOCK)
+
+
+def test_large_chunks_reach_the_writer_laid_out_for_their_offset(tmp_path, monkeypatch):
+    """Every chunk large enough to be written straight, after the header (built in memory), comes
+    laid out for its offset in the output: its bytes were read (or repacked) where the writer
+    writes them from, and only its ends are copied into the staging buffers."""
+    _lay_out_small_chunks(monkeypatch)
+    real, chunks = SequentialWriter.write, []
+
+    def recording(self, data):
+        view = memoryview(data).cast("B")
+        chunks.append((len(view), (address(view) - self.tell()) % BLOCK == 0))
+        return real(self, data)
+    monkeypatch.setattr(SequentialWriter, "write", recording)
+    _convert(K31PRO_TINY, tmp_path / "out", 2, SplitLimits())
+    large = [laid_out for n, laid_out in chunks[1:] if n >= direct_io.STRAIGHT_WRITE_MIN]
+    assert len(large) > 100 and all(large)
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

@@ -1,5 +1,7 @@
 """O_DIRECT reads and the sequential writer: the bytes (and the written size) are exactly the
-file's / what was appended, at any offset and chunking, and a refused O_DIRECT falls back cleanly."""
+file's / what was appended, at any offset and chunking, whether a chunk is laid out for its file
+offset (its whole blocks written from its own memory) or copied, and a refused O_DIRECT falls
+back cleanly."""
 from __future__ import annotations
 
 import errno
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 
 from gguf_arch.io import direct_io
-from gguf_arch.io.direct_io import BLOCK, SequentialWriter, open_direct, pread_direct
+from gguf_arch.io.buffers import placed
+from gguf_arch.io.direct_io import BLOCK, SequentialWriter, open_direct, pread_direct_into
 
 from tests.support.page_cache import evict_pages, resident_pages
 
@@ -78,6 +81,49 @@ def test_a_refused_direct_io_falls_back_to_the_page_cache(tmp_path, monkeypatch)
     assert calls[0] == 0 and calls.count(0) == 2  # the refused write is redone, buffered (writes overlap)
 
 
+def _staged_bytes(monkeypatch) -> list[int]:
+    """Records the length of every copy into the writer's staging buffers."""
+    real, staged = SequentialWriter._stage, []
+
+    def counting(self, view):
+        staged.append(len(view))
+        return real(self, view)
+    monkeypatch.setattr(SequentialWriter, "_stage", counting)
+    return staged
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["direct", "refused"])
+def test_chunks_laid_out_for_their_offset_are_written_from_their_own_memory(tmp_path, monkeypatch, refuse):
+    """A large chunk at an address congruent to its file offset has its whole blocks written
+    straight from it: only its two ends (under a block each) are copied; a chunk laid out for
+    another offset, and small chunks, are copied whole. The file is the bytes appended either way,
+    through O_DIRECT or after the file system refused it."""
+    monkeypatch.setattr(direct_io, "STRAIGHT_WRITE_MIN", 2 * BLOCK)
+    if refuse:
+        monkeypatch.setattr(direct_io, "_set_direct", lambda fd, on: False)
+    staged = _staged_bytes(monkeypatch)
+    rng = np.random.default_rng(11)
+    chunks, at, copied, laid_out = [], 0, 0, 0
+    for i in range(40):
+        n = int(rng.integers(1, 6 * BLOCK))
+        misplaced = i % 5 == 4
+        buf = placed(n, at + (100 if misplaced else 0))
+        buf[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        chunks.append(buf)
+        if n < 2 * BLOCK or misplaced:
+            copied += n
+        else:
+            laid_out += 1
+        at += n
+    path = tmp_path / "out"
+    direct = _write(path, chunks)
+    assert not (refuse and direct)
+    if direct:
+        assert resident_pages(path) == 0  # asked before the check below reads the file
+    assert path.read_bytes() == b"".join(c.tobytes() for c in chunks)
+    assert laid_out > 10 and copied <= sum(staged) <= copied + 2 * BLOCK * laid_out
+
+
 def test_other_write_errors_are_raised(tmp_path, monkeypatch):
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -112,20 +158,30 @@ def direct_file(tmp_path):
     os.close(fd)
 
 
+def _into(direct: int, offset: int, nbytes: int, layout: str) -> bytes:
+    """pread_direct_into a buffer laid out for `offset` (read straight in) or one that is not
+    (read through the scratch buffer), `layout` says which."""
+    buf = placed(nbytes, offset if layout == "straight" else offset + 512)
+    pread_direct_into(direct, buf, offset, room=True)
+    return buf.tobytes()
+
+
+@pytest.mark.parametrize("layout", ["straight", "scratch"])
 @pytest.mark.parametrize("offset,nbytes", [(0, 1), (1, BLOCK), (BLOCK - 1, 2), (BLOCK, BLOCK), (123, 3 * BLOCK + 5),
                                            (5 * BLOCK + 700, 77), (0, 5 * BLOCK + 777), (17, 0)])
-def test_direct_reads_return_the_files_bytes_at_any_offset(direct_file, offset, nbytes):
+def test_direct_reads_return_the_files_bytes_at_any_offset(direct_file, offset, nbytes, layout):
     data, direct, path = direct_file
-    assert bytes(pread_direct(direct, offset, nbytes)) == data[offset:offset + nbytes]
+    assert _into(direct, offset, nbytes, layout) == data[offset:offset + nbytes]
     assert resident_pages(path) == 0
 
 
 @pytest.mark.parametrize("offset,nbytes", [(0, 5 * BLOCK + 778), (5 * BLOCK, 1000), (6 * BLOCK, 1)])
 def test_a_direct_read_past_the_end_is_an_eof_error(direct_file, offset, nbytes):
     data, direct, _ = direct_file
-    with pytest.raises(EOFError) as end:
-        pread_direct(direct, offset, nbytes)
-    assert end.value.args[0] == len(data)  # where the file ends
+    for layout in ("straight", "scratch"):
+        with pytest.raises(EOFError) as end:
+            _into(direct, offset, nbytes, layout)
+        assert end.value.args[0] == len(data)  # where the file ends
 
 
 def _room(offset: int, nbytes: int) -> tuple[np.ndarray, int]:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from gguf_arch.errors import CheckpointError
 from gguf_arch.io import safetensors as st_reader
+from gguf_arch.io.direct_io import BLOCK
 from gguf_arch.io.safetensors import open_checkpoint, read_shard_header
 
 from tests.support.checkpoint_edit import EditableCheckpoint, write_shard
@@ -100,13 +101,32 @@ def test_a_range_in_the_page_cache_is_read_through_it(cold_embedding, monkeypatc
     """A large range the page cache holds whole is read buffered (an O_DIRECT read would go to the
     device again); once evicted, the same read goes around the cache. Same bytes either way."""
     ckpt, e, shard = cold_embedding
-    real, direct_reads = st_reader.pread_direct, []
-    monkeypatch.setattr(st_reader, "pread_direct", lambda *a: direct_reads.append(a[1:]) or real(*a))
+    real, direct_reads = st_reader.pread_direct_into, []
+    monkeypatch.setattr(st_reader, "pread_direct_into",
+                        lambda fd, buf, offset, room: direct_reads.append((offset, buf.nbytes)) or real(fd, buf, offset, room))
     cold = np.array(ckpt.read_range(e, 0, e.nbytes // 2))
     assert direct_reads == [(e.start, e.nbytes)] and resident_pages(shard, e.start, e.nbytes) == 0
     shard.read_bytes()  # now cached
     assert np.array_equal(ckpt.read_range(e, 0, e.nbytes // 2), cold)
     assert len(direct_reads) == 1
+
+
+@pytest.mark.parametrize("place", [None, 0, 4096 * 7 + 100, 33])
+def test_a_large_range_is_laid_out_for_where_its_bytes_go(cold_embedding, place):
+    """A large range lands at an address congruent modulo BLOCK to `place` (its offset in the
+    output: the writer writes it from there without a copy), else to its offset in the shard
+    (an O_DIRECT read lands straight in it); from disk or from the page cache, the same bytes."""
+    ckpt, e, shard = cold_embedding
+    first, count = 5, e.nbytes // 2 - 9
+    offset = e.start + 2 * first
+    want = place if place is not None else offset
+    cold = ckpt.read_range(e, first, count, place)
+    shard.read_bytes()  # now cached: read through the page cache
+    cached = ckpt.read_range(e, first, count, place)
+    data = shard.read_bytes()[offset:offset + 2 * count]
+    for got in (cold, cached):
+        assert got.ctypes.data % BLOCK == want % BLOCK and not got.flags.writeable
+        assert got.tobytes() == data
 
 
 def test_residency_of_a_file(tmp_path):
@@ -130,13 +150,13 @@ def test_residency_of_a_file(tmp_path):
 def test_a_refused_direct_read_falls_back_to_buffered(k3_tiny_dir, monkeypatch):
     """A file system that accepts O_DIRECT at open but refuses the read: the same bytes, buffered."""
     monkeypatch.setattr(st_reader, "DIRECT_READ_MIN", 0)
-    real, calls = st_reader.pread_direct, []
+    real, calls = st_reader.pread_direct_into, []
 
-    def refusing(fd, offset, nbytes):
+    def refusing(fd, buf, offset, room):
         calls.append(offset)
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(st_reader, "pread_direct", refusing)
+    monkeypatch.setattr(st_reader, "pread_direct_into", refusing)
     monkeypatch.setattr(st_reader.Residency, "cached", lambda *_: False)  # the fixture may be cached
     name = "language_model.model.embed_tokens.weight"
     with open_checkpoint(k3_tiny_dir) as ckpt:
@@ -146,7 +166,7 @@ def test_a_refused_direct_read_falls_back_to_buffered(k3_tiny_dir, monkeypatch):
     if not calls:
         pytest.skip("the file system refuses O_DIRECT at open: nothing to fall back from")
     assert len(calls) == 1  # buffered from then on
-    monkeypatch.setattr(st_reader, "pread_direct", real)
+    monkeypatch.setattr(st_reader, "pread_direct_into", real)
     with open_checkpoint(k3_tiny_dir) as ckpt:
         assert np.array_equal(ckpt.read_range(ckpt.entries[name], 3, 5000), first)
         assert np.array_equal(first, second)
