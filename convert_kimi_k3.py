@@ -12,6 +12,10 @@ checkpoint), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install("no output written")  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import sys
 from pathlib import Path
@@ -20,7 +24,7 @@ from gguf_arch.arch.keys import dsa_key_lines
 from gguf_arch.convert.listing import listing_resolution, plan_lines, planned_files
 from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
-from gguf_arch.io.console import ArgumentParser, cpu_count
+from gguf_arch.io.console import ArgumentParser, cpu_count, output_file
 from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
@@ -31,8 +35,8 @@ from quant_rules.options import (add_quant_arguments, format_tensor_types, quant
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="convert-kimi-k3", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path, help="checkpoint directory (config.json, index, shards, tokenizer)")
-    p.add_argument("out", type=Path, nargs="?", metavar="OUT", help="output .gguf file (not with --print-tensor-types)")
-    p.add_argument("--outfile", type=Path, metavar="OUT", help="the output file, as llama.cpp's converter names it "
+    p.add_argument("out", type=output_file, nargs="?", metavar="OUT", help="output .gguf file (not with --print-tensor-types)")
+    p.add_argument("--outfile", type=output_file, metavar="OUT", help="the output file, as llama.cpp's converter names it "
                                                               "(instead of the positional OUT)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-dsa", action="store_true",
@@ -49,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(powers of 1000, as llama.cpp; a larger tensor gets a part of its own)")
     p.add_argument("--split-max-tensors", metavar="N", type=int, default=0,
                    help="split the output into parts of at most N tensors")
-    p.add_argument("--log-json", type=Path, metavar="FILE",
+    p.add_argument("--log-json", type=output_file, metavar="FILE",
                    help="write one JSON progress line per tensor to FILE (file, tensor, bytes done/total, "
                         "elapsed, rate)")
     p.add_argument("--allow-non-finite", action="store_true",

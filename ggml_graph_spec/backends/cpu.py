@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterable, Iterator
 import ggml
 import numpy as np
 
+from gguf_arch.errors.signals import native_call
+
 from ..graph.build import NUMPY_OF, GraphBuild
 
 
@@ -42,14 +44,17 @@ class Executor:
             ggml.ggml_free(ctx)
 
     def compute(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
-        """Allocate g's graph (outputs kept alive), upload its inputs, run it."""
+        """Allocate g's graph (outputs kept alive), upload its inputs, run it. A stop signal
+        meanwhile ends the process at once (native_call: a graph may run for minutes, or wait
+        on a server)."""
         self._expand_outputs(g, outputs)
-        self._allocate(g)
-        for t, value in g.inputs:
-            if not t.contents.buffer:  # an input no node reads is not allocated
-                continue
-            ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
-        status = self._run(g)
+        with native_call():
+            self._allocate(g)
+            for t, value in g.inputs:
+                if not t.contents.buffer:  # an input no node reads is not allocated
+                    continue
+                ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
+            status = self._run(g)
         if status != ggml.GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
 
@@ -84,7 +89,8 @@ class Executor:
     def read(t) -> np.ndarray:
         """A contiguous output as [rows, ne0]: every output here is [width, n_tokens] (T = 1 too)."""
         out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=NUMPY_OF[t.contents.type])
-        ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+        with native_call():  # from a server: a call on its socket
+            ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
         return out
 
     def free(self) -> None:

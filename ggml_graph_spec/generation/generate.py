@@ -8,14 +8,13 @@ two tokens, so the caches always hold exactly the tokens evaluated so far.
 """
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 import numpy as np
 
+from gguf_arch.errors.signals import Graceful, graceful_sigint
 from gguf_arch.io.console import UsageError
 
 from ..engine.model import Model
@@ -54,27 +53,10 @@ def _rate(seconds: float, n: int) -> str:
     return f"({seconds * 1e3 / n:8.2f} ms per token, {n / seconds:8.2f} tokens per second)"
 
 
-class Interrupt:
-    """Set by the first Ctrl-C while generating; a second one raises KeyboardInterrupt at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def _handler(self, _signum: int, _frame: object) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-
-@contextlib.contextmanager
-def sigint_stops() -> Iterator[Interrupt]:
-    """While inside, Ctrl-C asks the generation loop to stop instead of raising KeyboardInterrupt."""
-    interrupt = Interrupt()
-    previous = signal.signal(signal.SIGINT, interrupt._handler)
-    try:
-        yield interrupt
-    finally:
-        signal.signal(signal.SIGINT, previous)
+# A Ctrl-C during generation is only noted (`Interrupt.requested`), a second one ends the process:
+# gguf_arch/errors/signals.py, where every stop signal is handled.
+Interrupt = Graceful
+sigint_stops = graceful_sigint
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ errors go to stderr, as llama.cpp logs them.
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import secrets
 import sys
@@ -19,7 +23,7 @@ import numpy as np
 
 from gguf_arch.arch.config import K3Config
 from gguf_arch.arch.keys import config_from_metadata
-from gguf_arch.errors import run_cli
+from gguf_arch.errors import run_cli, signals
 from gguf_arch.io.console import ArgumentParser, human_size
 from gguf_arch.io.jsonfile import read_text
 
@@ -324,20 +328,25 @@ def run(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     model, tokenizer = load(args)
     timings.load_s = time.perf_counter() - t
+    # A stop signal that ends the process inside a ggml call prints the timings too (signals.py).
+    signals.at_stop(lambda: [f"kimi_k3_perf: {line}" for line in timings.lines()])
     try:
         _log(summary(model, tokenizer, dict(args.override_kv)))
         if args.mode != "perplexity":
             args.seed = _draw_seed(args.seed)
             _log([f"sampler seed: {args.seed}"])
+        stop = None
         try:
-            interrupted = _RUNNERS[args.mode](args, model, tokenizer, text, timings)
-        except KeyboardInterrupt:  # Ctrl-C at a conversation's prompt, or during perplexity
-            interrupted = True
+            if _RUNNERS[args.mode](args, model, tokenizer, text, timings):
+                stop = KeyboardInterrupt()
+        except KeyboardInterrupt as exc:  # Ctrl-C at a conversation's prompt or in perplexity; SIGTERM
+            stop = exc
+        signals.at_stop(None)
         _log(timings.lines(), prefix="kimi_k3_perf: ")
         if isinstance(model.executor, StreamingExecutor):  # the expert cache's hits over the whole run
             _log([f"{k}: {v}" for k, v in model.executor.stats()], prefix="kimi_k3_perf: ")
-        if interrupted:  # llama-cli prints the timings, then exits 130
-            raise KeyboardInterrupt
+        if stop is not None:  # llama-cli prints the timings, then exits 130 (143 for SIGTERM)
+            raise stop
     finally:
         model.close()
 

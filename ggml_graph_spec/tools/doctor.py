@@ -11,6 +11,10 @@ misses, predicted as if the router chose every expert equally often (BudgetPlan)
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import os
 import shutil

@@ -12,11 +12,11 @@ from typing import Callable, Iterator
 from ..arch.config import load_config
 from ..arch.keys import ARCH
 from ..arch.transforms import tensor_chunks
-from ..errors import Interrupted
+from ..errors import Interrupted, KimiError
 from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
 from ..io.output_lock import lock_path, output_lock
-from ..io.output_paths import OutputPaths
+from ..io.output_paths import OutputPaths, names_a_directory
 from ..io.pipeline import Lookahead
 from ..io.safetensors import open_checkpoint
 from ..io.split import SplitLimits, split_layout
@@ -164,6 +164,8 @@ def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, 
             quant: QuantOptions = QuantOptions(), output: OutputOptions = OutputOptions(),
             log: Callable[[str], None] = print) -> Ledger:
     """Convert a checkpoint directory to one GGUF file (or split parts); returns the ledger counts."""
+    if names_a_directory(out):
+        raise KimiError(f"{out}: names a directory; give the GGUF a file name")
     model_dir, out = Path(model_dir), Path(out)
     replace = overwrite or output.resume
     # Before the work of planning: the places and names, then the lock, then OUT itself when it

@@ -1,0 +1,284 @@
+"""How every tool stops on SIGINT, SIGTERM and SIGHUP: the same way, at any moment.
+
+The contract (README's exit codes): the process ends with 128 + the signal (130, 143, 129) and
+one stderr line, `error: interrupted (SIGNAME)` and what is left, promptly, wherever it is:
+
+* before the tool's body runs (its own imports: `install` runs first thing in its module) and
+  after it returned (interpreter teardown): the line and the exit, at once (nothing is being
+  written then);
+* in Python code inside `run_cli`: `Interrupted` (a KeyboardInterrupt) is raised there, so the
+  `finally` blocks clean up (a conversion removes its partial file) and the tool says what is
+  left;
+* inside a long call into C (`native_call`: a ggml graph, a call on an RPC server's socket),
+  where Python cannot raise until the call returns, which may be never (a stalled server): a
+  watcher thread, woken through `signal.set_wakeup_fd`, prints the tool's closing lines
+  (`at_stop`: the runner's timings) and the line, and ends the process. A ggml call writes no
+  file, so nothing is left half-written by ending it there. The stop signals are blocked in
+  the main thread for the duration, so a socket call inside ggml never sees EINTR (ggml's RPC
+  client takes that for a lost server and aborts);
+* during generation (`graceful_sigint`) the first Ctrl-C only asks the loop to stop after the
+  current token (llama-cli's way); a second one ends the process at once.
+
+A signal during the interpreter's own start-up, before the tool's module runs, is outside this.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, NoReturn
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Phases of a tool's process. IDLE: not a tool's process (a test calling main() in-process):
+# run_cli sets the handlers for its body and restores the caller's after it.
+IDLE, STARTUP, RUNNING, FINISHED = "idle", "startup", "running", "finished"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, raised where the main thread is, as Ctrl-C raises KeyboardInterrupt (and
+    caught wherever that is); `what` says what the run leaves behind (set by whoever knows it)."""
+
+    def __init__(self, signum: int = signal.SIGINT, what: str | None = None) -> None:
+        super().__init__(signum, what)
+        self.signum, self.what = signum, what
+
+    @classmethod
+    def from_exc(cls, exc: BaseException, what: str) -> "Interrupted":
+        return cls(getattr(exc, "signum", signal.SIGINT), what)
+
+
+def interrupted_line(signum: int, what: str | None) -> str:
+    return f"error: interrupted ({signal.Signals(signum).name})" + (f"; {what}" if what else "")
+
+
+@dataclass
+class Graceful:
+    """Set by the first Ctrl-C inside `graceful_sigint`; the loop it guards stops at its next check."""
+
+    requested: bool = False
+    _seen: int = 0  # SIGINTs counted by the watcher (the handler and the watcher both see each one)
+
+
+@dataclass
+class _State:
+    phase: str = IDLE
+    what: str | None = None  # the tool's own "what is left" for an interrupt outside its body
+    native: int = 0  # depth of native_call in the main thread
+    graceful: Graceful | None = None
+    at_stop: Callable[[], list[str]] | None = None  # lines printed before the line when ending at once
+    ending: threading.Lock = field(default_factory=threading.Lock)  # one thread ends the process
+    result: int | None = None  # FINISHED: the code run_cli returns (None while it prints its line)
+    late: int | None = None  # a signal that came while run_cli was closing
+    wakeup_r: int | None = None
+
+
+_STATE = _State()
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def end_process(code: int, lines: list[str]) -> NoReturn:
+    """Print `lines` on stderr and end the process now (no interpreter teardown: the main thread
+    may be inside C). Whoever comes second waits for the first to finish the job."""
+    if not _STATE.ending.acquire(blocking=False):
+        threading.Event().wait()  # another thread is ending the process
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: the exit code still says it
+            stream.flush()
+    text = "".join(line + "\n" for line in lines).encode("utf-8", "backslashreplace")
+    with contextlib.suppress(OSError):
+        os.write(2, text)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)  # what C code (ggml's printf) buffered
+    os._exit(code)
+
+
+def _end_on_signal(signum: int, what: str | None) -> NoReturn:
+    extra = []
+    if _STATE.at_stop is not None:
+        with contextlib.suppress(Exception):
+            extra = _STATE.at_stop()
+    end_process(128 + signum, [*extra, interrupted_line(signum, what)])
+
+
+def _outside_the_body(signum: int) -> None:
+    """Before the tool's body and after it: the line and the exit at once (nothing is being written)."""
+    s = _STATE
+    if s.phase == FINISHED and s.result is None:
+        s.late = signum  # run_cli is printing its line: `finished` decides
+    elif s.phase == FINISHED and s.result:
+        end_process(s.result, [])  # the run failed or was interrupted and said so: its code stands
+    elif s.phase in (STARTUP, FINISHED):
+        _end_on_signal(signum, s.what)
+
+
+def _handler(signum: int, _frame: object) -> None:
+    """Runs in the main thread, between two Python bytecodes (also inside a ctypes callback)."""
+    s = _STATE
+    if s.phase in (STARTUP, FINISHED):
+        _outside_the_body(signum)
+        return
+    g = s.graceful
+    if signum == signal.SIGINT and g is not None and not (g.requested and s.wakeup_r is None):
+        g.requested = True  # a second one: the watcher counts it (without one, the next line does)
+        return
+    if s.native:  # inside a ctypes callback of a native call: Python cannot unwind through C
+        _end_on_signal(signum, s.what)
+    raise Interrupted(signum)
+
+
+def _idle_sigint(signum: int, frame: object) -> None:
+    """Outside a tool's process (no watcher): graceful_sigint's handler counts for itself."""
+    g = _STATE.graceful
+    if g is None or g.requested:
+        raise KeyboardInterrupt
+    g.requested = True
+
+
+def _on_byte(signum: int) -> None:
+    """The watcher's view of one signal: it acts where the main thread may not run Python soon."""
+    s = _STATE
+    if signum not in STOP_SIGNALS:
+        return
+    if s.phase in (STARTUP, FINISHED):
+        _outside_the_body(signum)
+        return
+    g = s.graceful
+    if signum == signal.SIGINT and g is not None:
+        g._seen += 1
+        g.requested = True
+        if g._seen == 1:
+            return
+        _end_on_signal(signum, s.what)  # a second Ctrl-C: at once, wherever the main thread is
+    if s.phase == RUNNING and s.native:
+        _end_on_signal(signum, s.what)
+
+
+def _watch(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            _on_byte(signum)
+
+
+def _start_watcher() -> None:
+    if _STATE.wakeup_r is not None:
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    _STATE.wakeup_r = r
+    threading.Thread(target=_watch, args=(r,), daemon=True, name="kimi-k3-signals").start()
+
+
+def _set_handlers() -> dict[int, object]:
+    return {s: signal.signal(s, _handler) for s in STOP_SIGNALS}
+
+
+def _surrogate_safe_stdout() -> None:
+    # A path given with bytes that are not UTF-8 (legal on Linux) is printed back as those bytes,
+    # never a UnicodeEncodeError at the "wrote OUT" line after the work is done.
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(errors="surrogateescape")
+
+
+def install(what: str | None = None) -> None:
+    """The first thing a console script's module does, before its heavy imports: from here on a
+    stop signal ends the process with the documented line and code. Not in a process that
+    imported the module for another purpose (a test runner calling main() in-process keeps its
+    own handlers; run_cli sets them around the body there)."""
+    if _STATE.phase != IDLE or not _main_thread() or "pytest" in sys.modules:
+        return
+    _STATE.phase, _STATE.what = STARTUP, what
+    _set_handlers()
+    _start_watcher()
+    _surrogate_safe_stdout()
+
+
+@contextlib.contextmanager
+def tool_body(what: str | None) -> Iterator[None]:
+    """run_cli's body: stop signals raise Interrupted there (or end a native call at once)."""
+    if not _main_thread():
+        yield
+        return
+    if _STATE.phase == IDLE:  # a main() called in-process: set up for the body only
+        previous = _set_handlers()
+        try:
+            _STATE.phase, _STATE.what = RUNNING, what
+            yield
+        finally:
+            _STATE.phase, _STATE.what, _STATE.at_stop = IDLE, None, None
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return
+    _STATE.phase, _STATE.what = RUNNING, what
+    try:
+        yield
+    finally:
+        _STATE.phase, _STATE.what, _STATE.result = FINISHED, "the run had already completed", None
+
+
+def finished(code: int) -> None:
+    """The code run_cli returns. A signal from the end of the body on leaves a failure's code as
+    it is (its line is out); after a success it ends the process with its own code and line."""
+    s = _STATE
+    if s.phase != FINISHED:
+        return
+    s.result = code
+    if s.late is not None and code == 0:
+        _end_on_signal(s.late, s.what)
+
+
+def at_stop(lines: Callable[[], list[str]] | None) -> None:
+    """Lines to print before the interrupted line when the process is ended at once (the
+    runner's timings, which it prints itself when the interrupt unwinds through Python)."""
+    _STATE.at_stop = lines
+
+
+def _block(how: int) -> None:
+    signal.pthread_sigmask(how, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def native_call() -> Iterator[None]:
+    """The main thread is about to spend long in C: a stop signal ends the process from the
+    watcher thread instead of waiting for the call to return."""
+    s = _STATE
+    if s.phase != RUNNING or s.wakeup_r is None or not _main_thread():
+        yield
+        return
+    if s.native == 0:
+        _block(signal.SIG_BLOCK)
+    s.native += 1
+    try:
+        yield
+    finally:
+        s.native -= 1
+        if s.native == 0:
+            _block(signal.SIG_UNBLOCK)
+
+
+@contextlib.contextmanager
+def graceful_sigint() -> Iterator[Graceful]:
+    """While inside, the first Ctrl-C asks the caller to stop (`requested`) instead of raising."""
+    g, previous = Graceful(), _STATE.graceful
+    _STATE.graceful = g
+    idle = _STATE.phase == IDLE and _main_thread()
+    old = signal.signal(signal.SIGINT, _idle_sigint) if idle else None
+    try:
+        yield g
+    finally:
+        _STATE.graceful = previous
+        if idle:
+            signal.signal(signal.SIGINT, old)
