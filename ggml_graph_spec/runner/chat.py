@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
-import jinja2
-
-from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, compile_template
+from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
+from gguf_arch.arch.template_sandbox import compile_template, render
 from gguf_arch.io.console import UsageError
 
 from ..generation.generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
@@ -48,13 +47,9 @@ class ChatTemplate:
                          **kwargs}
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **self._context)
-        except jinja2.TemplateError as exc:  # raise_exception, sandbox violations, undefined names
-            raise UsageError(f"{self.where}: chat template: {exc.message or exc}") from None
-        except RecursionError:  # a macro calling itself without end
-            raise UsageError(f"{self.where}: chat template: recursion too deep") from None
+        # In the bounded sandbox: any failure, a bound included, is one line naming the template.
+        return render(self._template, self.where, UsageError, messages=list(messages),
+                      add_generation_prompt=add_generation_prompt, **self._context)
 
 
 def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: Path | None,
