@@ -13,6 +13,7 @@ from ..arch.config import load_config
 from ..arch.keys import ARCH
 from ..arch.transforms import tensor_chunks
 from ..errors import Interrupted, KimiError
+from ..errors.signals import deferred
 from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
 from ..io.output_lock import lock_path, output_lock
@@ -152,8 +153,9 @@ def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> 
                         log_json=output.log_json, replace=replace)
     done: list[OutputFile] = []
     try:
-        _write_files(p.todo, source_chunks, progress, replace, log, done)
-    except (KeyboardInterrupt, Interrupted) as exc:
+        with deferred():  # a stop signal waits for the next chunk or file (signals.deferred)
+            _write_files(p.todo, source_chunks, progress, replace, log, done)
+    except KeyboardInterrupt as exc:  # Interrupted too
         raise Interrupted.from_exc(exc, left_behind(p.files, p.todo, done)) from None
     finally:
         source_chunks.close()

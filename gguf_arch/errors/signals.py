@@ -24,12 +24,10 @@ A signal during the interpreter's own start-up, before the tool's module runs, i
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, NoReturn
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -55,25 +53,29 @@ def interrupted_line(signum: int, what: str | None) -> str:
     return f"error: interrupted ({signal.Signals(signum).name})" + (f"; {what}" if what else "")
 
 
-@dataclass
 class Graceful:
     """Set by the first Ctrl-C inside `graceful_sigint`; the loop it guards stops at its next check."""
 
-    requested: bool = False
-    _seen: int = 0  # SIGINTs counted by the watcher (the handler and the watcher both see each one)
+    def __init__(self) -> None:
+        self.requested = False
+        self._seen = 0  # SIGINTs counted by the watcher (the handler and the watcher both see each one)
 
 
-@dataclass
 class _State:
-    phase: str = IDLE
-    what: str | None = None  # the tool's own "what is left" for an interrupt outside its body
-    native: int = 0  # depth of native_call in the main thread
-    graceful: Graceful | None = None
-    at_stop: Callable[[], list[str]] | None = None  # lines printed before the line when ending at once
-    ending: threading.Lock = field(default_factory=threading.Lock)  # one thread ends the process
-    result: int | None = None  # FINISHED: the code run_cli returns (None while it prints its line)
-    late: int | None = None  # a signal that came while run_cli was closing
-    wakeup_r: int | None = None
+    """The process's stop-signal state (plain attributes: this module loads before the heavy imports)."""
+
+    def __init__(self) -> None:
+        self.phase = IDLE
+        self.what: str | None = None  # the tool's own "what is left" for an interrupt outside its body
+        self.native = 0  # depth of native_call in the main thread
+        self.deferred = 0  # depth of `deferred` in the main thread
+        self.pending: int | None = None  # a stop signal `checkpoint` raises
+        self.graceful: Graceful | None = None
+        self.at_stop: Callable[[], list[str]] | None = None  # lines printed before the line when ending at once
+        self.ending = threading.Lock()  # one thread ends the process
+        self.wakeup_r: int | None = None
+        self.result: int | None = None  # FINISHED: the code run_cli returns (None while it prints its line)
+        self.late: int | None = None  # a signal that came while run_cli was closing
 
 
 _STATE = _State()
@@ -95,6 +97,8 @@ def end_process(code: int, lines: list[str]) -> NoReturn:
     with contextlib.suppress(OSError):
         os.write(2, text)
     with contextlib.suppress(Exception):
+        import ctypes  # here: this module loads before the heavy imports
+
         ctypes.CDLL(None).fflush(None)  # what C code (ggml's printf) buffered
     os._exit(code)
 
@@ -130,6 +134,9 @@ def _handler(signum: int, _frame: object) -> None:
         return
     if s.native:  # inside a ctypes callback of a native call: Python cannot unwind through C
         _end_on_signal(signum, s.what)
+    if s.deferred:
+        s.pending = s.pending or signum  # raised at the next checkpoint
+        return
     raise Interrupted(signum)
 
 
@@ -267,6 +274,30 @@ def native_call() -> Iterator[None]:
         s.native -= 1
         if s.native == 0:
             _block(signal.SIG_UNBLOCK)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """While inside, a stop signal is raised at the next `checkpoint` instead of between any two
+    bytecodes. For code whose main thread waits on other threads: raised inside threading's or
+    queue's own code (between a Condition's wait and its lock's re-acquisition), KeyboardInterrupt
+    breaks the lock ("release unlocked lock", a RuntimeError instead of the interrupt, exit 1)."""
+    s = _STATE
+    s.deferred += 1
+    try:
+        yield
+    finally:
+        s.deferred -= 1
+    if not s.deferred:
+        checkpoint()  # the outermost region left normally: a signal since the last checkpoint
+
+
+def checkpoint() -> None:
+    """Raise the stop signal that came inside `deferred`, if one did: a safe point of the caller."""
+    s = _STATE
+    if s.pending is not None and _main_thread():
+        signum, s.pending = s.pending, None
+        raise Interrupted(signum)
 
 
 @contextlib.contextmanager
