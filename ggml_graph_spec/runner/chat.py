@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
-from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
+from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, SAMPLE_CONVERSATION
 from gguf_arch.arch.template_sandbox import compile_template, render
 from gguf_arch.io.console import UsageError
+from gguf_arch.io.jsonfile import read_text
 
 from ..generation.generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
 from ..engine.model import Model
@@ -52,15 +53,16 @@ class ChatTemplate:
                       add_generation_prompt=add_generation_prompt, **self._context)
 
 
-def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: Path | None,
-                  kwargs: Mapping[str, Any], read_text: Callable[[Path], str]) -> tuple[ChatTemplate, str]:
-    """--chat-template-file, else the GGUF's tokenizer.chat_template, else the built-in K3 template;
-    with a line saying which."""
+def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: tuple[Path, str] | None,
+                  kwargs: Mapping[str, Any], gguf: Path | str = "the GGUF") -> tuple[ChatTemplate, str]:
+    """--chat-template-file (its path and text), else the GGUF's tokenizer.chat_template, else the
+    built-in K3 template; with a line saying which."""
     if file is not None:
-        return ChatTemplate(read_text(file), str(file), tokenizer, kwargs), f"chat template: {file}"
+        return ChatTemplate(file[1], str(file[0]), tokenizer, kwargs), f"chat template: {file[0]}"
     text = metadata.get(CHAT_TEMPLATE_KEY)
     if isinstance(text, str):
-        return ChatTemplate(text, CHAT_TEMPLATE_KEY, tokenizer, kwargs), f"chat template: the GGUF's {CHAT_TEMPLATE_KEY}"
+        return (ChatTemplate(text, f"{gguf}: {CHAT_TEMPLATE_KEY}", tokenizer, kwargs),
+                f"chat template: the GGUF's {CHAT_TEMPLATE_KEY}")
     return (ChatTemplate(K3_CHAT_TEMPLATE, "built-in K3 template", tokenizer, kwargs),
             f"chat template: the GGUF has no {CHAT_TEMPLATE_KEY}; using the built-in K3 template")
 
@@ -83,15 +85,42 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop the reply when the output shows PROMPT and return control (repeatable)")
 
 
+# The variables the runner itself gives every template: a kwarg of the same name would collide.
+RESERVED_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
 def parse_template_kwargs(text: str) -> dict[str, Any]:
     """--chat-template-kwargs: a JSON object of extra template variables (llama.cpp's option)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"--chat-template-kwargs: not JSON ({exc})") from None
+    except RecursionError:
+        raise UsageError("--chat-template-kwargs: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise UsageError(f"--chat-template-kwargs: expected a JSON object, got {text!r}")
+    reserved = [k for k in RESERVED_KWARGS if k in value]
+    if reserved:
+        raise UsageError(f"--chat-template-kwargs: {', '.join(reserved)} is set by the runner for every template "
+                         f"(reserved: {', '.join(RESERVED_KWARGS)}); give another name")
     return value
+
+
+def check_chat_options(a: argparse.Namespace) -> None:
+    """Before loading: --chat-template-kwargs parsed (`a.template_kwargs`), --chat-template-file
+    read (a FIFO or directory refused, not waited on), compiled and rendered once on a sample
+    conversation (`a.template_file`: its path and text), so that a bad one costs no load."""
+    a.template_kwargs = parse_template_kwargs(a.chat_template_kwargs) if a.chat_template_kwargs is not None else {}
+    a.template_file = None
+    if a.chat_template_file is None:
+        return
+    where = str(a.chat_template_file)
+    text = read_text(a.chat_template_file, UsageError, "no such file")
+    system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt is not None else []
+    render(compile_template(text, where, UsageError), where, UsageError,
+           **{"bos_token": "", "eos_token": "", **a.template_kwargs},
+           messages=system + list(SAMPLE_CONVERSATION), add_generation_prompt=True)
+    a.template_file = (a.chat_template_file, text)
 
 
 class ReplyFilter:
@@ -165,13 +194,28 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 class LineReader:
-    """User input: from a terminal with a `> ` prompt and `\\` continuation lines, or from a pipe."""
+    """User input: from a terminal with a `> ` prompt and `\\` continuation lines, or from a pipe.
+    No stdin at all (`<&-`) is an empty input; a line that is not UTF-8 is refused, naming it."""
 
-    def __init__(self, stdin: TextIO, out: TextIO) -> None:
+    def __init__(self, stdin: TextIO | None, out: TextIO) -> None:
         self._stdin, self._out = stdin, out
-        self.terminal = stdin.isatty()
+        self.terminal = stdin is not None and stdin.isatty()
+        self._lines = 0
 
     def _line(self, prompt: str) -> str | None:
+        if self._stdin is None:
+            return None
+        self._lines += 1
+        try:
+            line = self._read(prompt)
+        except UnicodeDecodeError:
+            line = None
+        else:  # decoded with surrogateescape (a C locale): the bytes that were not UTF-8 show here
+            if line is None or not any("\udc80" <= c <= "\udcff" for c in line):
+                return line
+        raise UsageError(f"standard input, line {self._lines}: not valid UTF-8 text (a conversation takes UTF-8)")
+
+    def _read(self, prompt: str) -> str | None:
         if self.terminal:
             # The prompt goes to stdout as llama-cli writes it (input()'s own prompt may go to stderr).
             self._out.write(prompt)

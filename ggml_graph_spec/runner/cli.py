@@ -27,10 +27,11 @@ from gguf_arch.errors import run_cli, signals
 from gguf_arch.io.console import ArgumentParser, human_size
 from gguf_arch.io.jsonfile import read_text
 
-from .chat import Conversation, add_chat_arguments, chat_template, parse_template_kwargs, run_interactive
+from .chat import Conversation, add_chat_arguments, chat_template, run_interactive
 from ..generation.generate import StopRules, Timings, generate, sigint_stops
 from ..graph.build import DSA_PATHS
 from ..weights.loader import load_gguf
+from ..backends.rpc.wire import DEFAULT_TIMEOUT_S, RpcTargets
 from ..backends.streaming.budget import add_budget_argument
 from ..backends.streaming.executor import StreamingExecutor
 from ..engine.model import Model
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
                    help="spread the layers over these ggml RPC servers (started with kimi-k3-rpc-server) and "
                         "this host")
+    p.add_argument("--rpc-timeout", metavar="S", type=float, default=None,
+                   help=f"with --rpc: the longest wait for any one reply of a server, its graph's computation "
+                        f"included, in seconds (default {DEFAULT_TIMEOUT_S:g}); past it the run ends with exit 1")
     p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
                    help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
                         "(missing values are 0; default: each one's free memory)")
@@ -188,7 +192,8 @@ def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
             setattr(tokenizer, attr, value)
         model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
                       dsa=args.dsa != "off", top_k=None, n_threads=args.threads, dsa_path=args.dsa_path,
-                      rpc=args.rpc or (), tensor_split=args.tensor_split, progress=sys.stderr.isatty(),
+                      rpc=RpcTargets(args.rpc, args.rpc_timeout or DEFAULT_TIMEOUT_S) if args.rpc else (),
+                      tensor_split=args.tensor_split, progress=sys.stderr.isatty(),
                       mem_budget=args.mem_budget)
     except BaseException:
         weights.close()
@@ -298,10 +303,9 @@ def _run_completion(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
 def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str | None,
                       timings: Timings) -> bool:
     template, template_line = None, ""
-    if args.mode == "chat":
-        kwargs = parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs else {}
-        template, template_line = chat_template(model.weights.metadata, tokenizer, args.chat_template_file,
-                                                kwargs, _read_text)
+    if args.mode == "chat":  # the options were checked before loading (chat.check_chat_options)
+        template, template_line = chat_template(model.weights.metadata, tokenizer, args.template_file,
+                                                args.template_kwargs, model.weights.path)
     elif text is not None and not args.no_display_prompt:
         sys.stdout.write(text)
     conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),

@@ -27,7 +27,11 @@ from gguf_arch.arch.tensors import plan_tensors
 from gguf_arch.io.console import UsageError, cpu_count
 from gguf_arch.io.gguf_values import problem as value_problem
 
+from ..backends.rpc.wire import parse_endpoints
 from ..backends.streaming.budget import parse_size
+from ..generation.perplexity import MIN_PERPLEXITY_CTX
+from ..graph.placement import parse_tensor_split
+from .chat import check_chat_options
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed; the largest 32-bit seed
 # The tokenizer keys an override may change, with the tokenizer attribute each sets; gguf-py
@@ -70,13 +74,29 @@ def check_options(a: argparse.Namespace) -> list[str]:
         raise UsageError("--repack applies to the fast path, not with --exact-experts")
     if a.tensor_split is not None and a.rpc is None:
         raise UsageError("--tensor-split needs --rpc")
+    if a.rpc_timeout is not None and (a.rpc is None or not 0 < a.rpc_timeout < math.inf):
+        raise UsageError("--rpc-timeout needs --rpc" if a.rpc is None else
+                         f"--rpc-timeout must be a positive number of seconds, got {a.rpc_timeout}")
     if a.repack and a.rpc is not None:
         raise UsageError("--repack applies to this host's weights only, not with --rpc")
     if a.mem_budget is not None:
         parse_size(a.mem_budget)  # a bad SIZE is one line before the model is opened
         if a.rpc is not None or a.repack:
             raise UsageError("--mem-budget streams this host's mapped layers; not with --rpc or --repack")
+    _check_late_options(a)
     return _cap_threads(a)
+
+
+def _check_late_options(a: argparse.Namespace) -> None:
+    """What the load and the run would otherwise find only once the model is loaded."""
+    if a.rpc is not None:
+        endpoints = parse_endpoints(a.rpc)
+        if a.tensor_split is not None:
+            parse_tensor_split(a.tensor_split, len(endpoints) + 1)
+    if a.perplexity and 0 < a.ctx_size < MIN_PERPLEXITY_CTX:
+        raise UsageError(f"--perplexity: -c {a.ctx_size} is too small: the scored half of a chunk needs "
+                         f"-c {MIN_PERPLEXITY_CTX} or more")
+    check_chat_options(a)
 
 
 def _cap_threads(a: argparse.Namespace) -> list[str]:

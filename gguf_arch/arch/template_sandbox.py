@@ -10,8 +10,8 @@ call, `{{ lipsum(10**6) }}` or a quadratic loop runs for minutes. So, on top of 
   `replace`, `lipsum`); every value a Python function returns during the render is checked after
   (a `~` doubling a string in a loop), and so is the output as it is produced: MAX_CHARS each;
   integers at most MAX_INT_BITS (Python refuses to print longer ones anyway);
-* time: RENDER_SECONDS of wall time, checked at every call, return and line of the template's
-  code (a loop that calls nothing is stopped too);
+* time: RENDER_SECONDS of wall time and MAX_STEPS steps (calls, returns and lines of the
+  template's own code: a loop that calls nothing is stopped too), whichever comes first;
 * depth: a recursion too deep ends the render, not the interpreter.
 
 Whatever goes wrong while rendering (a bound, `raise_exception`, `{{ 1/0 }}`, `{{ 1 + 'a' }}`, a
@@ -35,6 +35,9 @@ from ..errors import KimiError
 MAX_CHARS = 16 << 20  # a value or the whole output; a full 256K-token conversation renders to ~2 MB
 MAX_INT_BITS = 1 << 14  # about 4,900 decimal digits: Python prints at most 4,300
 RENDER_SECONDS = 10.0  # a chat template renders in milliseconds
+# Steps: the calls, returns and template lines a render may take (a long conversation takes ~10^5).
+# The same bound as the time's, but one that does not depend on the machine or its load.
+MAX_STEPS = 20_000_000
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 _DIGITS = re.compile(r"\d+")
 
@@ -210,8 +213,9 @@ class _Budget:
     """The render's watch: the profile hook sees every call and return (sizes, time), the trace
     hook every line of the template's own code (time, in a loop that calls nothing)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, steps: int) -> None:
         self._seconds, self._deadline = seconds, time.monotonic() + seconds
+        self._steps = steps
         self._tripped = False  # once raised, the hooks stay quiet while the exception unwinds
 
     def _trip(self, why: str) -> None:
@@ -219,7 +223,12 @@ class _Budget:
         raise TemplateBound(why)
 
     def _check_time(self) -> None:
-        if time.monotonic() > self._deadline and not self._tripped:
+        self._steps -= 1
+        if self._tripped:
+            return
+        if self._steps < 0:
+            self._trip(f"still rendering after {MAX_STEPS} steps (the bound on a template's work)")
+        if time.monotonic() > self._deadline:
             self._trip(f"still rendering after {self._seconds:g} s (the bound on a template's time)")
 
     def profile(self, _frame: Any, event: str, value: Any) -> None:
@@ -283,7 +292,7 @@ def render(template: jinja2.Template, where: str, error: type[KimiError], **cont
     """The template rendered within the bounds; any failure is `error` naming `where` and the line."""
     parts: list[str] = []
     try:
-        with _Budget(RENDER_SECONDS):
+        with _Budget(RENDER_SECONDS, MAX_STEPS):
             size = 0
             for part in template.generate(**context):
                 size += len(part)
