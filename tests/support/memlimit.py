@@ -11,12 +11,14 @@ test fails, the machine does not.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import resource
 from pathlib import Path
 from typing import Callable, Iterator
 
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+_SERIAL = itertools.count()
 
 
 def _own_memory_group() -> Path | None:
@@ -34,7 +36,7 @@ def _new_group(limit: int) -> Path | None:
     parent = _own_memory_group()
     if parent is None or not os.access(parent, os.W_OK):
         return None
-    group = parent / f"kimi-k3-test-{os.getpid()}-{id(object())}"
+    group = parent / f"kimi-k3-test-{os.getpid()}-{next(_SERIAL)}"
     try:
         group.mkdir()
         (group / "memory.limit_in_bytes").write_text(str(limit))

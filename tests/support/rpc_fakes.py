@@ -4,7 +4,8 @@ It speaks ggml's protocol (backends/rpc/protocol.py) well enough for a client to
 its devices and allocate: HELLO, DEVICE_COUNT, GET_DEVICE_MEMORY, GET_ALIGNMENT, GET_MAX_SIZE,
 ALLOC_BUFFER, BUFFER_GET_BASE and the commands that need no reply. `replies` replaces the payload
 of a command's reply (a hostile or broken server); `silent_from` names a command from which on it
-answers nothing, and holds the connection open (a stalled server). It computes nothing: tests use
+answers nothing, and holds the connection open (a stalled server); `honest_connections` serves
+the first connections honestly (a server that passes a pre-check and lies to ggml afterwards). It computes nothing: tests use
 it to reach a check, not a result.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import struct
 import threading
 from typing import Mapping
 
-from ggml_graph_spec.backends.rpc.protocol import COMMANDS, PROTOCOL, REPLY_SIZE, TENSOR_SIZE
+from ggml_graph_spec.backends.rpc.protocol import COMMANDS, PROTOCOL, REPLY_SIZE, TENSOR_SIZE, tensor_nbytes
 from ggml_graph_spec.backends.rpc.wire import recv_exactly
 
 LOOPBACK = "127.0.0.1"
@@ -43,7 +44,7 @@ def _honest(name: str, request: bytes, state: dict) -> bytes | None:
     if name in ("SET_TENSOR_HASH", "COPY_TENSOR"):
         return b"\0"
     if name == "GET_ALLOC_SIZE":
-        return struct.pack("<Q", 0)
+        return struct.pack("<Q", tensor_nbytes(request, 4))
     return b"" if REPLY_SIZE.get(name) == 0 else None
 
 
@@ -51,8 +52,10 @@ class FakeServer:
     """Serves its connections one after another, as ggml's server does. `commands` records every
     command it received, in order."""
 
-    def __init__(self, replies: Mapping[str, bytes] | None = None, silent_from: str | None = None):
+    def __init__(self, replies: Mapping[str, bytes] | None = None, silent_from: str | None = None,
+                 honest_connections: int = 0):
         self._replies, self._silent_from = dict(replies or {}), silent_from
+        self._honest_left = honest_connections  # connections served honestly first (a pre-check's)
         self.commands: list[str] = []
         self._held: list[socket.socket] = []
         self._listener = socket.create_server((LOOPBACK, 0))
@@ -69,18 +72,22 @@ class FakeServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            self._session(conn)
+            try:
+                self._session(conn)
+            except OSError:  # the client went away (its process ended)
+                conn.close()
 
     def _session(self, conn: socket.socket) -> None:
         state: dict = {}
+        honest, self._honest_left = self._honest_left > 0, self._honest_left - 1
         while len(header := recv_exactly(conn, 9)) == 9:
             name = COMMANDS[header[0]] if header[0] < len(COMMANDS) else "?"
             request = recv_exactly(conn, struct.unpack_from("<Q", header, 1)[0])
             self.commands.append(name)
-            if name == self._silent_from:
+            if name == self._silent_from and not honest:
                 self._held.append(conn)  # open and silent: the client waits for a reply
                 return
-            reply = self._replies.get(name, _honest(name, request, state))
+            reply = _honest(name, request, state) if honest else self._replies.get(name, _honest(name, request, state))
             if reply is not None:
                 conn.sendall(struct.pack("<Q", len(reply)) + reply)
         conn.close()

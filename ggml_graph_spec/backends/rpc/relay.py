@@ -75,6 +75,9 @@ class Relay:
         self.name, self._target, self.timeout = name, target, timeout
         self._listener = socket.create_server((LOOPBACK, 0))
         self.upstream: socket.socket | None = None  # the connection to the server of ggml's latest one
+        # What the server said: its memory and alignment hold for all of ggml's connections (ggml
+        # asks the alignment once per process), its buffers for the connection they were made on.
+        self.facts = ServerFacts()
         threading.Thread(target=self._accept, daemon=True, name=f"kimi-k3-rpc-relay {name}").start()
 
     @property
@@ -138,7 +141,8 @@ class _Session:
 
     def __init__(self, relay: Relay, client: socket.socket, server: socket.socket) -> None:
         self.relay, self.client, self.server = relay, client, server
-        self.facts = ServerFacts()
+        self.facts = relay.facts
+        self.facts.buffers = {}  # a server frees a client's buffers when its connection ends
         self._buf = bytearray(_CHUNK)
 
     def run(self) -> None:
