@@ -24,6 +24,7 @@ A signal during the interpreter's own start-up, before the tool's module runs, i
 from __future__ import annotations
 
 import contextlib
+import ctypes  # loaded now: ending the process must not import (the main thread may hold the import lock)
 import os
 import signal
 import sys
@@ -90,15 +91,16 @@ def end_process(code: int, lines: list[str]) -> NoReturn:
     may be inside C). Whoever comes second waits for the first to finish the job."""
     if not _STATE.ending.acquire(blocking=False):
         threading.Event().wait()  # another thread is ending the process
-    for stream in (sys.stdout, sys.stderr):
+    # Python's own buffers only from the main thread: another thread could wait forever on a
+    # stream's lock that the main thread holds (a write to a full pipe). What the tools print as
+    # they go (tokens, lines) is flushed as it is written.
+    for stream in (sys.stdout, sys.stderr) if _main_thread() else ():
         with contextlib.suppress(Exception):  # a closed or broken stream: the exit code still says it
             stream.flush()
     text = "".join(line + "\n" for line in lines).encode("utf-8", "backslashreplace")
     with contextlib.suppress(OSError):
         os.write(2, text)
     with contextlib.suppress(Exception):
-        import ctypes  # here: this module loads before the heavy imports
-
         ctypes.CDLL(None).fflush(None)  # what C code (ggml's printf) buffered
     os._exit(code)
 
