@@ -58,9 +58,17 @@ def test_a_path_that_is_not_utf8_is_a_path(tmp_path):
     assert out.exists() and b"o\xff.gguf" in res.stdout
 
 
+def _last_error_line(res: Result, code: int, *needles: str) -> None:
+    """After loading the runner logs (print_info ...): its last line is the one error line."""
+    lines = res.err.rstrip("\n").splitlines()
+    assert res.rc == code, res.err
+    assert [l for l in lines if l.startswith("error: ")] == lines[-1:] and "Traceback" not in res.err, res.err
+    assert all(n in lines[-1] for n in needles), res.err
+
+
 def test_a_conversation_line_that_is_not_utf8_is_refused_naming_it(k3_tiny_gguf):
-    res = _runner(k3_tiny_gguf, "-cnv", *RUN, stdin=b"hello\nbad \xff line\n")
-    res.one_error_line(2, "standard input, line 2: not valid UTF-8")
+    res = _runner(k3_tiny_gguf, "-cnv", "-n", "1", "-c", "1024", "-t", "1", stdin=b"hello\nbad \xff line\n")
+    _last_error_line(res, 2, "standard input, line 2: not valid UTF-8")
 
 
 # ---- a closed stdin (class 7) ----------------------------------------------------------------
@@ -153,8 +161,7 @@ def test_a_special_id_outside_the_vocabulary_is_refused_on_override(k3_tiny_gguf
                                  "tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id"])
 def test_a_special_id_outside_the_vocabulary_is_refused_on_load(k3_tiny_gguf, tmp_path, key):
     bad = rewritten_copy(k3_tiny_gguf, tmp_path / "bad.gguf", keys={key: (912, T.UINT32)})
-    res = _runner(bad, "-p", "hi", *RUN)
-    res.one_error_line(2, key, "912")
+    _last_error_line(_runner(bad, "-p", "hi", *RUN), 2, key, "912")
 
 
 # ---- a diff that compared nothing (class 11) ----------------------------------------------------
