@@ -281,11 +281,14 @@ def _why(exc: BaseException) -> str:
 def compile_template(text: str, where: str, error: type[KimiError] = KimiError) -> jinja2.Template:
     """The template compiled in the sandbox; `error` names `where` and the line of a syntax error."""
     try:
-        return BoundedSandbox().from_string(text)
+        with _Budget(RENDER_SECONDS, MAX_STEPS):  # Jinja computes constant expressions while compiling
+            return BoundedSandbox().from_string(text)
     except jinja2.TemplateSyntaxError as exc:
         raise error(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
     except RecursionError:  # jinja's parser recurses on nesting: a file can make it overflow
         raise error(f"{where}: chat template nested too deeply") from None
+    except TemplateBound as exc:
+        raise error(f"{where}: chat template: {exc}") from None
 
 
 def render(template: jinja2.Template, where: str, error: type[KimiError], **context: Any) -> str:
