@@ -12,7 +12,8 @@ call, `{{ lipsum(10**6) }}` or a quadratic loop runs for minutes. So, on top of 
   integers at most MAX_INT_BITS (Python refuses to print longer ones anyway);
 * time: RENDER_SECONDS of wall time and MAX_STEPS steps (calls, returns and lines of the
   template's own code: a loop that calls nothing is stopped too), whichever comes first;
-* depth: a recursion too deep ends the render, not the interpreter.
+* depth: MAX_DEPTH Python frames; a recursion past them ends the render, not the interpreter
+  (nor the C stack).
 
 Whatever goes wrong while rendering (a bound, `raise_exception`, `{{ 1/0 }}`, `{{ 1 + 'a' }}`, a
 sandbox violation) becomes one error naming the template's source and its line.
@@ -38,6 +39,7 @@ RENDER_SECONDS = 10.0  # a chat template renders in milliseconds
 # Steps: the calls, returns and template lines a render may take (a long conversation takes ~10^5).
 # The same bound as the time's, but one that does not depend on the machine or its load.
 MAX_STEPS = 20_000_000
+MAX_DEPTH = 800  # Python frames a render may add (a macro call takes about six; K3's nests a few)
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 _DIGITS = re.compile(r"\d+")
 
@@ -246,7 +248,10 @@ class _Budget:
         return self.line
 
     def __enter__(self) -> "_Budget":
-        self._hooks = sys.getprofile(), sys.gettrace()
+        self._hooks = sys.getprofile(), sys.gettrace(), sys.getrecursionlimit()
+        # Depth: Python's recursion limit as the caller set it may be higher than the C stack
+        # holds with these hooks (a test runner raises it); a template gets MAX_DEPTH frames.
+        sys.setrecursionlimit(min(self._hooks[2], _depth() + MAX_DEPTH))
         sys.setprofile(self.profile)
         sys.settrace(self.trace)
         return self
@@ -254,6 +259,14 @@ class _Budget:
     def __exit__(self, *exc: Any) -> None:
         sys.setprofile(self._hooks[0])
         sys.settrace(self._hooks[1])
+        sys.setrecursionlimit(self._hooks[2])
+
+
+def _depth() -> int:
+    frame, n = sys._getframe(), 0
+    while frame is not None:
+        frame, n = frame.f_back, n + 1
+    return n
 
 
 def _template_line(exc: BaseException, template: jinja2.Template) -> str:
