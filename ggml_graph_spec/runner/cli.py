@@ -31,7 +31,7 @@ from .chat import Conversation, add_chat_arguments, chat_template, run_interacti
 from ..generation.generate import StopRules, Timings, generate, sigint_stops
 from ..graph.build import DSA_PATHS
 from ..weights.loader import load_gguf
-from ..backends.rpc.wire import DEFAULT_TIMEOUT_S, RpcTargets
+from ..backends.rpc.wire import DEFAULT_TIMEOUT_S, RpcTargets, add_rpc_arguments
 from ..backends.streaming.budget import add_budget_argument
 from ..backends.streaming.executor import StreamingExecutor
 from ..engine.model import Model
@@ -119,15 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-experts", action="store_true",
                    help="exact path: F32 activations in every matmul, F32 caches, no flash attention")
     add_repack_arguments(p)
-    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
-                   help="spread the layers over these ggml RPC servers (started with kimi-k3-rpc-server) and "
-                        "this host")
-    p.add_argument("--rpc-timeout", metavar="S", type=float, default=None,
-                   help=f"with --rpc: the longest wait for any one reply of a server, its graph's computation "
-                        f"included, in seconds (default {DEFAULT_TIMEOUT_S:g}); past it the run ends with exit 1")
-    p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
-                   help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
-                        "(missing values are 0; default: each one's free memory)")
+    add_rpc_arguments(p)
     add_budget_argument(p)
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
