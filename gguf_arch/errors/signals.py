@@ -17,7 +17,8 @@ one stderr line, `error: interrupted (SIGNAME)` and what is left, promptly, wher
   the main thread for the duration, so a socket call inside ggml never sees EINTR (ggml's RPC
   client takes that for a lost server and aborts);
 * during generation (`graceful_sigint`) the first Ctrl-C only asks the loop to stop after the
-  current token (llama-cli's way); a second one ends the process at once.
+  current token (llama-cli's way); a second one ends the process at once, and so does the first
+  if the ggml call under way has not returned within GRACE_S (a server gone silent).
 
 A signal during the interpreter's own start-up, before the tool's module runs, is outside this.
 """
@@ -35,6 +36,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Phases of a tool's process. IDLE: not a tool's process (a test calling main() in-process):
 # run_cli sets the handlers for its body and restores the caller's after it.
 IDLE, STARTUP, RUNNING, FINISHED = "idle", "startup", "running", "finished"
+# A first Ctrl-C during generation waits this long for the ggml call under way to return (the
+# loop then stops after that token) before it ends the process itself.
+GRACE_S = 5.0
 
 
 class Interrupted(KeyboardInterrupt):
@@ -69,6 +73,7 @@ class _State:
         self.phase = IDLE
         self.what: str | None = None  # the tool's own "what is left" for an interrupt outside its body
         self.native = 0  # depth of native_call in the main thread
+        self.native_calls = 0  # native calls entered so far (which one the main thread is in)
         self.deferred = 0  # depth of `deferred` in the main thread
         self.pending: int | None = None  # a stop signal `checkpoint` raises
         self.graceful: Graceful | None = None
@@ -163,10 +168,23 @@ def _on_byte(signum: int) -> None:
         g._seen += 1
         g.requested = True
         if g._seen == 1:
+            if s.native:  # the loop looks at `requested` when this ggml call returns: if it does
+                _end_if_still_in(s.native_calls, signum)
             return
         _end_on_signal(signum, s.what)  # a second Ctrl-C: at once, wherever the main thread is
     if s.phase == RUNNING and s.native:
         _end_on_signal(signum, s.what)
+
+
+def _end_if_still_in(call: int, signum: int) -> None:
+    """After GRACE_S, end the process if the main thread is still inside native call number
+    `call` (a token that takes longer, a server that went silent): a Ctrl-C is never ignored."""
+    def check() -> None:
+        if _STATE.native and _STATE.native_calls == call and _STATE.phase == RUNNING:
+            _end_on_signal(signum, _STATE.what)
+    timer = threading.Timer(GRACE_S, check)
+    timer.daemon = True
+    timer.start()
 
 
 def _watch(fd: int) -> None:
@@ -269,6 +287,7 @@ def native_call() -> Iterator[None]:
         return
     if s.native == 0:
         _block(signal.SIG_BLOCK)
+        s.native_calls += 1
     s.native += 1
     try:
         yield

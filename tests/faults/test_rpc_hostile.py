@@ -153,3 +153,25 @@ def test_a_stop_signal_ends_a_client_stuck_in_a_ggml_call_on_a_socket(k3_tiny_gg
                 proc.wait()
     line = _one_line(Result(proc.returncode, out, err), 128 + sig, f"error: interrupted ({signal.Signals(sig).name})")
     assert "connection lost" not in line
+
+
+def test_one_ctrl_c_ends_a_generation_stuck_on_a_silent_server(k3_tiny_gguf):
+    """During generation the first Ctrl-C waits for the token under way (signals.GRACE_S); a
+    server that went silent in the middle of a graph does not make it wait for --rpc-timeout."""
+    with RpcServers(1) as one:
+        proxy = Proxy(one.ports[0], stall_at=6)  # the warm-up and the prompt, then a few tokens
+        args = ["-m", str(k3_tiny_gguf), "--rpc", proxy.endpoint, "-ts", "1,0", "-p", "hi", "-n", "1000",
+                "--ignore-eos", "-c", "2048", "-t", "1"]
+        proc = subprocess.Popen([sys.executable, "-c", tool_code("cli"), *args], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        try:
+            _wait_for(lambda: proxy.computes >= 6, "the stalled graph")
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proxy.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    _one_line(Result(proc.returncode, out, err), 130, "error: interrupted (SIGINT)")
+    assert "kimi_k3_perf: " in err  # the timings, as after any Ctrl-C during generation

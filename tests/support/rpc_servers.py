@@ -111,13 +111,15 @@ class Proxy:
     """A loopback TCP proxy to `target_port` that serves one connection at a time, like the
     server. It counts the client's commands (bytes with their headers, and calls, per command)
     and the bytes coming back; with `cut_at` it drops the connection on the client's cut_at-th
-    GRAPH_COMPUTE (counted over all its connections); `rewrite` replaces the payload of a
-    command's reply on its way back (command -> function of the request and the reply)."""
+    GRAPH_COMPUTE (counted over all its connections), with `stall_at` it holds it open and
+    silent there; `rewrite` replaces the payload of a command's reply on its way back (command ->
+    function of the request and the reply)."""
 
     def __init__(self, target_port: int, cut_at: int | None = None,
-                 rewrite: Mapping[str, Callable[[bytes, bytes], bytes]] | None = None):
+                 rewrite: Mapping[str, Callable[[bytes, bytes], bytes]] | None = None, stall_at: int | None = None):
         self._target = (LOOPBACK, target_port)
-        self._cut_at = cut_at
+        self._cut_at, self._stall_at = cut_at, stall_at
+        self._closed = threading.Event()
         self._rewrite = dict(rewrite or {})
         self.sent: Counter[str] = Counter()  # command -> bytes from the client
         self.calls: Counter[str] = Counter()
@@ -160,6 +162,9 @@ class Proxy:
                 self.calls[name] += 1  # counted before the server can answer it
                 if name == "GRAPH_COMPUTE" and self.computes == self._cut_at:
                     return
+                if name == "GRAPH_COMPUTE" and self.computes == self._stall_at:
+                    self._closed.wait()  # a server gone silent in the middle of a graph
+                    return
                 self.sent[name] += 9 + size
                 request = recv_exactly(client, size)
                 if len(request) < size:
@@ -183,6 +188,7 @@ class Proxy:
         return True
 
     def close(self) -> None:
+        self._closed.set()
         self._listener.close()
 
 
