@@ -213,9 +213,22 @@ def _set_handlers() -> dict[int, object]:
     return {s: signal.signal(s, _handler) for s in STOP_SIGNALS}
 
 
-def _surrogate_safe_stdout() -> None:
-    # A path given with bytes that are not UTF-8 (legal on Linux) is printed back as those bytes,
-    # never a UnicodeEncodeError at the "wrote OUT" line after the work is done.
+def _standard_streams() -> None:
+    """A closed stdout or stderr (`>&-`) reads as /dev/null, and its descriptor is taken by
+    /dev/null: else the next file opened (an output GGUF) would get descriptor 1, and C code
+    printing to stdout (ggml does) would write into it. A closed stdin stays None: the end of input.
+    A path given with bytes that are not UTF-8 (legal on Linux) is printed back as those bytes,
+    never a UnicodeEncodeError at the "wrote OUT" line after the work is done."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, "w", closefd=False))
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="surrogateescape")
 
@@ -228,9 +241,9 @@ def install(what: str | None = None) -> None:
     if _STATE.phase != IDLE or not _main_thread() or "pytest" in sys.modules:
         return
     _STATE.phase, _STATE.what = STARTUP, what
+    _standard_streams()  # first: the watcher's pipe must not take a closed stdout's descriptor
     _set_handlers()
     _start_watcher()
-    _surrogate_safe_stdout()
 
 
 @contextlib.contextmanager

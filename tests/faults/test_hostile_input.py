@@ -80,6 +80,20 @@ def test_a_closed_stdin_ends_a_conversation_as_the_end_of_input_does(k3_tiny_ggu
     assert "Traceback" not in res.err and "error" not in res.err
 
 
+@pytest.mark.parametrize("fd", [1, 2], ids=["stdout", "stderr"])
+def test_a_closed_stdout_or_stderr_is_not_a_traceback(k3_tiny_gguf, tmp_path, fd):
+    """`>&-`: the stream reads as /dev/null, and its descriptor is not handed to the next file
+    opened (the GGUF being written: --verify passes on it)."""
+    def run(*cmd):
+        return subprocess.run([sys.executable, "-c", *cmd], cwd=REPO, capture_output=True, text=True, timeout=300,
+                              preexec_fn=lambda: os.close(fd), stdin=subprocess.DEVNULL)
+    runner = run(tool_code("cli"), "-m", str(k3_tiny_gguf), "-p", "hi", *RUN)
+    assert runner.returncode == 0 and "Traceback" not in runner.stderr, runner.stderr
+    converter = run(tool_code("convert"), str(K3_TINY), str(tmp_path / "o.gguf"))
+    assert converter.returncode == 0 and "Traceback" not in converter.stderr, converter.stderr
+    assert run_cli("--verify", tmp_path / "o.gguf", K3_TINY, "--quiet").rc == 0
+
+
 # ---- reserved template variables, options checked before loading (classes 8, 12) -----------------
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -201,6 +215,16 @@ def test_doctor_measures_only_a_regular_file(k3_tiny_gguf, tmp_path, make, needl
     disk = make(tmp_path)
     res = run_tool("doctor", k3_tiny_gguf, "--disk", disk, timeout=60)
     res.one_error_line(2, f"--disk {disk}", needle)
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: (os.mkfifo(d / "fifo"), d / "fifo")[1], "not a regular file"),
+    (lambda d: d, "is a directory"),
+    (lambda d: Path("/dev/zero"), "not a regular file"),
+], ids=["fifo", "directory", "device"])
+def test_doctor_refuses_a_model_that_is_not_a_file_without_waiting(tmp_path, make, needle):
+    model = make(tmp_path)
+    run_tool("doctor", model, timeout=60).one_error_line(2, str(model), needle)
 
 
 def test_doctor_measures_the_ggufs_own_directory(k3_tiny_gguf):
