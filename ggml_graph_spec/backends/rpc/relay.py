@@ -180,34 +180,37 @@ class _Session:
             self.facts.buffers.pop(struct.unpack_from("<Q", request)[0], None)
 
     def _reply(self, name: str, request: bytes, expected: int) -> None:
+        if name == "GET_TENSOR":  # tensor bytes: nothing to check in them, passed on as they come
+            self._size(name, expected)
+            self._io(name, self.client, self.client.sendall, struct.pack("<Q", expected))
+            self._pass(self.server, self.client, expected, name)
+            return
+        reply = self._checked(name, request, expected)
+        if name == "HELLO":
+            reply = reply[:4] + bytes(CONN_CAPS)
+        self._io(name, self.client, self.client.sendall, struct.pack("<Q", expected) + reply)
+
+    def _size(self, name: str, expected: int) -> None:
         got = struct.unpack("<Q", self._recv(name, 8))[0]
         if got != expected:
             self.relay.fail(f"answered {name} with {got} bytes, {expected} expected (not a ggml RPC "
                             "server of this protocol, or a damaged connection)")
-        if name == "GET_TENSOR":  # tensor bytes: nothing to check in them, passed on as they come
-            self._io(name, self.client, self.client.sendall, struct.pack("<Q", got))
-            self._pass(self.server, self.client, got, name)
-            return
-        reply = self._recv(name, got)
+
+    def _checked(self, name: str, request: bytes, expected: int) -> bytes:
+        """The reply to `name`, of the size the client expects and with values it may use."""
+        self._size(name, expected)
+        reply = self._recv(name, expected)
         try:
             check_reply(name, request, reply, self.facts)
         except ReplyError as exc:
             self.relay.fail(f"{exc} ({name}); refused before ggml used it")
-        if name == "HELLO":
-            reply = reply[:4] + bytes(CONN_CAPS)
-        self._io(name, self.client, self.client.sendall, struct.pack("<Q", got) + reply)
+        return reply
 
     def _ask_memory(self) -> None:
         """The server's memory, on ggml's own connection: what buffer sizes are checked against."""
         request = struct.pack("<I", 0)
         self._send("GET_DEVICE_MEMORY", bytes([CMD["GET_DEVICE_MEMORY"]]) + struct.pack("<Q", 4) + request)
-        got = struct.unpack("<Q", self._recv("GET_DEVICE_MEMORY", 8))[0]
-        if got != 16:
-            self.relay.fail(f"answered GET_DEVICE_MEMORY with {got} bytes, 16 expected")
-        try:
-            check_reply("GET_DEVICE_MEMORY", request, self._recv("GET_DEVICE_MEMORY", 16), self.facts)
-        except ReplyError as exc:
-            self.relay.fail(f"{exc} (GET_DEVICE_MEMORY); refused before ggml used it")
+        self._checked("GET_DEVICE_MEMORY", request, 16)
 
     def _send(self, name: str, data: bytes) -> None:
         try:
