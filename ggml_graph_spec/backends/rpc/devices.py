@@ -108,15 +108,17 @@ class Devices:
 
     @classmethod
     def connect(cls, weights: GGUFWeights, rpc: str | Sequence[str] | RpcTargets, *,
-                tensor_split: str | Sequence[float] | None = None, n_threads: int, progress: bool = False) -> "Devices":
-        """Handshake with every server, place the layers, upload the servers' weights."""
+                tensor_split: str | Sequence[float] | None = None, n_threads: int, progress: bool = False,
+                timeout: float | None = None) -> "Devices":
+        """Handshake with every server, place the layers, upload the servers' weights. `timeout`:
+        the longest wait for a server's reply (default: an RpcTargets' own, else DEFAULT_TIMEOUT_S)."""
         if not ggml.GGML_USE_RPC:
             raise RuntimeError("this ggml-python was built without RPC (rebuild it with CMAKE_ARGS=-DGGML_RPC=ON)")
         endpoints = parse_endpoints(rpc)
         names = [f"RPC{i}[{ep}]" for i, ep in enumerate(endpoints)] + ["CPU"]
         shares = None if tensor_split is None else parse_tensor_split(
             tensor_split if isinstance(tensor_split, str) else ",".join(map(str, tensor_split)), len(names))
-        connections = _reach(endpoints, rpc_timeout(rpc))
+        connections = _reach(endpoints, rpc_timeout(rpc) if timeout is None else timeout)
         try:
             if shares is None:
                 shares = (*(_server_memory(c.ggml_endpoint) for c in connections), _cpu_memory())
