@@ -10,8 +10,9 @@ alternating, best of --repeats:
   round trip  one GET_TENSOR of a decoded token's hidden state as it crosses between hosts (the
               real K3's 7168 floats, 28 KiB): microseconds per call;
   bandwidth   64 MiB tensor uploads and reads (a weight upload's pieces): GB/s each way;
-  decode      a synthetic K3.1-Pro GGUF (MEDIUM's sizes, as bench/rpc.py) with every layer on the
-              server: decoded tokens per second, and the relay's cost per token (ms and %).
+  decode      a synthetic K3.1-Pro GGUF (MEDIUM's sizes, as bench/rpc.py; or --gguf) with every
+              layer on the server: decoded tokens per second, and the relay's cost per token (ms
+              and %).
 
 The server and the client share this machine, so the network costs nothing and the relay's
 share is as large as it can be: over a real link the same microseconds sit beside the link's.
@@ -129,6 +130,8 @@ def measure(gguf: Path, a: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="decode this GGUF instead of the synthetic MEDIUM one (e.g. a converted test fixture)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=2000, help="small round trips per measurement")
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per measurement")
@@ -136,11 +139,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=RESULTS / "rpc_relay.json")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    best = measure(prepare(a.workdir), a)
+    gguf = a.gguf or prepare(a.workdir)
+    best = measure(gguf, a)
     d, r = best["direct"], best["relay"]
     per_token_ms = (1 / r["decode_tok_s"] - 1 / d["decode_tok_s"]) * 1e3
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
-              "date": time.strftime("%Y-%m-%d"), "repeats": a.repeats, "direct": d, "relay": r,
+              "date": time.strftime("%Y-%m-%d"), "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size,
+              "repeats": a.repeats, "tokens": a.tokens, "direct": d, "relay": r,
               "relay_round_trip_extra_us": r["round_trip_us"] - d["round_trip_us"],
               "relay_cost_per_token_ms": per_token_ms,
               "relay_cost_per_token_percent": 100 * per_token_ms * d["decode_tok_s"] / 1e3}
