@@ -106,8 +106,10 @@ def _decode(gguf: Path, endpoint: str, tokens: int) -> float:
         m.close()
 
 
-def measure(gguf: Path, a: argparse.Namespace) -> dict:
+def measure(gguf: Path, a: argparse.Namespace) -> tuple[dict, dict]:
+    """(best of the repeats, every repeat) per mode."""
     best: dict[str, dict] = {"direct": {}, "relay": {}}
+    every: dict[str, list] = {"direct": [], "relay": []}
     with RpcServers(1, threads=a.threads) as one:
         ep = Endpoint("127.0.0.1", one.ports[0])
         for _ in range(a.repeats):
@@ -120,11 +122,12 @@ def measure(gguf: Path, a: argparse.Namespace) -> dict:
                     io["decode_tok_s"] = _decode(gguf, one.endpoints[0], a.tokens)
                 finally:
                     rpc_devices.Connection = Connection
+                every[mode].append(io)
                 b = best[mode]
                 for k, v in io.items():
                     better = min if k == "round_trip_us" else max
                     b[k] = better(b.get(k, v), v)
-    return best
+    return best, every
 
 
 def main() -> None:
@@ -140,7 +143,7 @@ def main() -> None:
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     gguf = a.gguf or prepare(a.workdir)
-    best = measure(gguf, a)
+    best, every = measure(gguf, a)
     d, r = best["direct"], best["relay"]
     per_token_ms = (1 / r["decode_tok_s"] - 1 / d["decode_tok_s"]) * 1e3
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
@@ -148,7 +151,7 @@ def main() -> None:
               "repeats": a.repeats, "tokens": a.tokens, "direct": d, "relay": r,
               "relay_round_trip_extra_us": r["round_trip_us"] - d["round_trip_us"],
               "relay_cost_per_token_ms": per_token_ms,
-              "relay_cost_per_token_percent": 100 * per_token_ms * d["decode_tok_s"] / 1e3}
+              "relay_cost_per_token_percent": 100 * per_token_ms * d["decode_tok_s"] / 1e3, "every_repeat": every}
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
