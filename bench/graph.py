@@ -191,10 +191,10 @@ def attention_kernel(m, n: int, top_k: int | None, path: str, exact: bool, rng) 
     m.cache.n_past = n - 1
     make = partial(GraphBuild, cfg=m.cfg, cache=m.cache, n_tokens=1, exact=exact, top_k=top_k,
                    dsa_path="masked" if path == "dense" else path)
-    with m._exec.graph(1024, make) as g:
+    with m.executor.graph(1024, make) as g:
         out = _attention_graph(g, n, top_k, path, rng)
-        m._exec.compute(g, [out])
-        yield lambda: m._exec._run(g)
+        m.executor.compute(g, [out])
+        yield lambda: m.executor._run(g)
 
 
 def _decode_times(models: dict, n: int, top_k: int, a: argparse.Namespace, rng) -> dict:

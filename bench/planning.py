@@ -9,7 +9,7 @@ the operation cannot avoid, so the ratio says how much the project's own work ad
                      index (no shards)      vs  baseline: `json.load` of that index in a fresh
                      interpreter (the same process start included);
   print_tensor_types `--print-tensor-types --outtype q8_0` on the real K3.1-Pro plan (the K3 index
-                     plus the contract's indexer fields and tensors)  vs  the same baseline;
+                     plus the indexer fields and tensors of docs/reference/config.md)  vs  the same baseline;
   merge_recovery     gguf_arch.arch.tokenizer.recover_merges on a 163,584-rank random merge tree with the
                      real vocabulary's token lengths  vs  baseline: building tiktoken's own
                      Encoding from the same ranks;

@@ -20,7 +20,7 @@ client run on this machine, so the timings show the protocol's cost, not a netwo
             tensors cross between devices, how large each device's graph message is), checked
             here against the measurement.
   projected the real K3.1-Pro (tests/fixtures/reference's config, with the K3.1-Pro indexer
-            fields of k31pro-format.md) over N hosts of equal memory (N-1 servers and the
+            fields of docs/reference/config.md) over N hosts of equal memory (N-1 servers and the
             client's host): layers per host by llama.cpp's rule, weights per host, bytes crossing
             each boundary per decoded token, per-host graph messages, and the per-token network
             time at 1, 10 and 100 Gb/s (bytes over bandwidth; each server adds its round trips,
@@ -64,7 +64,7 @@ MEDIUM = ["--preset", "tiny", "--hidden", "2048", "--layers", "12", "--intermedi
           "--experts-per-token", "4", "--moe-intermediate", "1024", "--latent", "1024", "--mla-heads", "16",
           "--q-lora", "512", "--kv-lora", "256", "--qk-nope", "64", "--qk-rope", "32", "--v-head-dim", "64",
           "--kda-heads", "16", "--kda-head-dim", "128", "--index-heads", "8", "--index-head-dim", "64"]
-# K3.1-Pro's indexer (k31pro-format.md, section 1), added to the real K3 config.
+# K3.1-Pro's indexer (docs/reference/config.md, K3.1-Pro indexer fields), added to the real K3 config.
 K31PRO_INDEXER = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048}
 RPC_TENSOR = 296  # sizeof(rpc_tensor) in ggml 0.15.3 (ggml-rpc.cpp, packed)
 HEADER = 9  # command byte + u64 size

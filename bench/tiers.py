@@ -20,12 +20,12 @@ of the next-token distributions over all evaluated positions, and how often the 
 agree. A requantized MXFP4 weight is quantized twice (E2M1 x 2^e, then the tier's grid), so
 the cost is measured here, not taken from llama.cpp's tables for 16-bit sources.
 
-Projection to the real K3.1-Pro: 82,432 routed experts (92 MoE layers x 896, k3-spec.md C.2),
+Projection to the real K3.1-Pro: 82,432 routed experts (92 MoE layers x 896, docs/reference/mxfp4.md),
 each 3 x 3584 x 3072 = 33,030,144 weights (17,547,264 bytes in MXFP4, 4.25 bits per weight),
 at the tier's bits per weight (exact: both row lengths are multiples of 256), plus the trunk
 as converted (108.8 GB in BF16), which every tier keeps.
 
-Results: bench/results/tiers.json; README.md's tier table is printed at the end.
+Results: bench/results/tiers.json; the table of docs/bench/tiers.md is printed at the end.
 """
 from __future__ import annotations
 

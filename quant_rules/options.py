@@ -85,7 +85,7 @@ def _requantize_type(text: str | None) -> Q | None:
 
 
 # Why each expert type costs what it costs. MXFP4 weights are E2M1 x 2^(e-127): two significant
-# bits and an 8-bit exponent per block of 32 (k3-spec.md C.2).
+# bits and an 8-bit exponent per block of 32 (docs/reference/mxfp4.md#byte-layout).
 _REQUANTIZE_COST: dict[Q, str] = {
     Q.F32: "exact (every MXFP4 weight with a scale byte up to 252 is an f32 value); experts grow 7.5x "
            "(32 vs 4.25 bits per weight)",

@@ -111,7 +111,8 @@ class TensorTypeRule:
 
     @property
     def label(self) -> str:
-        return f"--tensor-type {self.pattern}={type_name(self.type)}"
+        flag = self.origin if self.origin.startswith("--") else "--tensor-type"  # a file's rule: FILE:LINE
+        return f"{flag} {self.pattern}={type_name(self.type)}"
 
     def matches(self, tensor: str) -> bool:
         return re.search(self.pattern, tensor) is not None

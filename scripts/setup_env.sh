@@ -38,7 +38,7 @@ if [ ! -f "$STAMP" ]; then
     # torch==2.13.0 is pinned in the test extra: that version installs the CPU build from local disk.
     # llama-cpp-python builds llama.cpp from its sdist the first time; pip caches that wheel.
     setup_step project "installing the project, torch (CPU) and llama-cpp-python (about 9 minutes the first time: llama.cpp is compiled; seconds once pip has cached it)" -- \
-        "$VPY" -m pip install -q --disable-pip-version-check -e "$ROOT[test,interop]"
+        "$VPY" -m pip install -q --disable-pip-version-check -e "$ROOT[test,interop,server]"
     touch "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from gguf_arch.convert.mmproj import MmprojOptions
 from gguf_arch.convert.run import convert
 
 from tests.support.paths import FIXTURES, K3_TINY, K31PRO_TINY, REFERENCE
@@ -46,3 +47,11 @@ def k3_tiny_gguf(tmp_path_factory: pytest.TempPathFactory, k3_tiny_dir: Path) ->
 def k31pro_tiny_gguf(tmp_path_factory: pytest.TempPathFactory, k31pro_tiny_dir: Path) -> Path:
     """k31pro-tiny converted by this project's converter (read-only: copy before editing)."""
     return _converted(tmp_path_factory, k31pro_tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def k31pro_tiny_mmproj(tmp_path_factory: pytest.TempPathFactory, k31pro_tiny_dir: Path) -> Path:
+    """k31pro-tiny's vision tower and projector as an mmproj (read-only: copy before editing)."""
+    out = tmp_path_factory.mktemp("mmproj") / "k31pro-tiny-mmproj.gguf"
+    convert(k31pro_tiny_dir, None, mmproj=MmprojOptions(out), log=lambda _msg: None)
+    return out

@@ -61,7 +61,7 @@ def test_per_op_profile_computes_the_same_logits(k31pro_tiny_gguf, k31pro_tiny_d
 def test_kernel_times_cover_every_path_and_kernel(k31pro_tiny_gguf):
     from bench.graph import KERNEL_TIMINGS, PATHS, kernel_ops, kernel_times
     models = {p: Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, n_threads=1, dsa=p != "dense",
-                            dsa_path="gather" if p == "gather" else "masked") for p in PATHS}
+                            dsa_path=None if p == "dense" else p) for p in PATHS}
     try:
         got = kernel_times(models, [16, 64])
         ops = kernel_ops(models["masked"], [64])

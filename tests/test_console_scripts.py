@@ -28,6 +28,8 @@ TOOLS = {
     "kimi-k3-quantize": [sys.executable, str(REPO / "kimi_k3_quantize.py")],
     "kimi-k3-rpc-server": [sys.executable, "-m", "ggml_graph_spec.tools.rpc_server"],
     "kimi-k3-doctor": [sys.executable, "-m", "ggml_graph_spec.tools.doctor"],
+    "kimi-k3-encode-images": [sys.executable, "-m", "ggml_graph_spec.tools.encode_images"],
+    "kimi-k3-server": [sys.executable, "-m", "ggml_graph_spec.server.cli"],
 }
 
 
@@ -55,6 +57,8 @@ def _one_error_line(r: subprocess.CompletedProcess, code: int, *needles: str) ->
     ("kimi-k3-quantize", ["in.gguf", "out.gguf"], "the following arguments are required: TYPE"),
     ("kimi-k3-rpc-server", ["--port", "x"], "argument --port: invalid int value: 'x'"),
     ("kimi-k3-doctor", [], "the following arguments are required: MODEL.gguf"),
+    ("kimi-k3-encode-images", ["m.gguf", "a.png"], "the following arguments are required: -o/--output"),
+    ("kimi-k3-server", ["--port", "80"], "the following arguments are required: -m/--model"),
 ])
 def test_usage_errors_are_one_line_naming_help(tool, args, message):
     err = _one_error_line(run(tool, *args), EXIT_BAD_INPUT, message)

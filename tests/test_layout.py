@@ -9,7 +9,7 @@ included).
 * quant_rules sits between arch and convert: it never imports the converter (nor verify, synth),
   and nothing below convert imports quant_rules;
 * ggml_graph_spec's layers, lowest first: text | weights < graph < blocks | backends < engine <
-  generation < runner | server | tools; a lower layer never imports a higher one, siblings never
+  generation < runner < server | tools; a lower layer never imports a higher one, siblings never
   import one another, and nothing in ggml_graph_spec imports the converter (README's "Layout",
   docs/architecture.md);
 * gguf_arch and ggml_graph_spec hold at most 8 modules at their top level; no function is longer
@@ -34,7 +34,7 @@ TOP_LAYER = 3
 GRAPH_LAYERS = {"ggml_graph_spec.text": 0, "ggml_graph_spec.weights": 0, "ggml_graph_spec.graph": 1,
                 "ggml_graph_spec.blocks": 2, "ggml_graph_spec.vision": 2, "ggml_graph_spec.backends": 2,
                 "ggml_graph_spec.engine": 3, "ggml_graph_spec.generation": 4, "ggml_graph_spec.runner": 5,
-                "ggml_graph_spec.server": 5, "ggml_graph_spec.tools": 5}
+                "ggml_graph_spec.server": 6, "ggml_graph_spec.tools": 6}
 # Entry points that only start the runner: above every layer.
 GRAPH_ENTRY = {"ggml_graph_spec", "ggml_graph_spec.__main__"}
 MAX_TOP_LEVEL_MODULES = 8

@@ -50,7 +50,7 @@ class Executor:
         self._expand_outputs(g, outputs)
         with native_call():
             self._allocate(g)
-            for t, value in g.inputs:
+            for t, value in g.input_arrays():
                 if not t.contents.buffer:  # an input no node reads is not allocated
                     continue
                 ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
@@ -68,6 +68,13 @@ class Executor:
         scheduler's planning rewrites the graph it is given."""
         self._expand_outputs(g, outputs)
         self._plan(g)
+
+    def measure(self, g: GraphBuild, outputs: Iterable[Any]) -> int:
+        """The bytes of compute buffer g's graph (outputs kept alive) needs; nothing is allocated."""
+        self._expand_outputs(g, outputs)
+        sizes = (ctypes.c_size_t * 1)()
+        ggml.ggml_gallocr_reserve_n_size(self._galloc, g.gf, None, None, sizes)
+        return int(sizes[0])
 
     def _expand_outputs(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
         for t in outputs:

@@ -1,5 +1,5 @@
-"""Attention Residuals (k3-spec D.4): each sublayer's input is a softmax mix of the banked block
-residuals and the running partial sum, scored against a learned vector.
+"""Attention Residuals (docs/reference/forward.md#attnres): each sublayer's input is a softmax mix of
+the banked block residuals and the running partial sum, scored against a learned vector.
 
 Layout (ggml `ne` order, one sequence): every value [n_embd, T]; the score vector [n_embd].
 """
@@ -28,7 +28,8 @@ class ResidualBank:
 
 
 def attn_res(g: GraphBuild, p: Tensor, bank: ResidualBank, score: Tensor) -> Tensor:
-    """Softmax over [bank..., P] of (rmsnorm(V_j) . score), mixing the RAW values V_j (D.4).
+    """Softmax over [bank..., P] of (rmsnorm(V_j) . score), mixing the RAW values V_j
+    (docs/reference/forward.md#attnres).
 
     `score` is the fused f32 vector norm_gain * pseudo_query ([n_embd]).
     """

@@ -1,4 +1,4 @@
-"""The SiTU MLP (k3-spec D.5) and the leading dense layers' FFN (D.7).
+"""The SiTU MLP (docs/reference/forward.md#situ) and the leading dense layers' FFN (#output-head).
 
 Activations are F32 with ne = [width, n_tokens] (one sequence).
 """
@@ -18,7 +18,7 @@ def ffn_norm(g: GraphBuild, w: LayerWeights, y: Tensor) -> Tensor:
 
 
 def situ(g: GraphBuild, gate: Tensor, up: Tensor) -> Tensor:
-    """[b1*tanh(gate/b1)*sigmoid(gate)] * [b2*tanh(up/b2)], in F32 (D.5)."""
+    """[b1*tanh(gate/b1)*sigmoid(gate)] * [b2*tanh(up/b2)], in F32 (docs/reference/forward.md#situ)."""
     c, b1, b2 = g.ctx, g.cfg.situ_beta, g.cfg.situ_linear_beta
     capped_gate = ggml.ggml_scale(c, ggml.ggml_tanh(c, ggml.ggml_scale(c, gate, 1.0 / b1)), b1)
     capped_up = ggml.ggml_scale(c, ggml.ggml_tanh(c, ggml.ggml_scale(c, up, 1.0 / b2)), b2)
@@ -26,10 +26,11 @@ def situ(g: GraphBuild, gate: Tensor, up: Tensor) -> Tensor:
 
 
 def situ_mlp(g: GraphBuild, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    """W_down(situ(W_gate x, W_up x)): the dense layer-0 FFN and the shared experts (D.5, D.7)."""
+    """W_down(situ(W_gate x, W_up x)): the dense layer-0 FFN and the shared experts
+    (docs/reference/forward.md#situ)."""
     return g.mm(w_down, situ(g, g.mm(w_gate, x), g.mm(w_up, x)))
 
 
 def build_dense_ffn(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
-    """The leading dense layers' SiTU MLP (D.7)."""
+    """The leading dense layers' SiTU MLP (docs/reference/forward.md#output-head)."""
     return situ_mlp(g, x, w(FFN_GATE), w(FFN_UP), w(FFN_DOWN))

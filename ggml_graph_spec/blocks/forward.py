@@ -19,11 +19,16 @@ from .mla import build_mla
 from .moe import build_moe, predict_experts
 
 
-def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
-    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head (D.4, D.7)."""
+def build_forward(g: GraphBuild, weights: GGUFWeights, tokens=None, out_ids=None, embedded=None):
+    """Embedding -> 93 (or n) decoder layers with Block AttnRes -> output mix, norm, lm_head
+    (docs/reference/forward.md, AttnRes and Output head).
+
+    tokens: I32 [T] input; or embedded: the input columns [n_embd, T] already made (token
+    embeddings with embedding rows in their places, engine/inputs.py). out_ids: I32 [n], the
+    columns whose logits are wanted (None: every column)."""
     cfg, c = g.cfg, g.ctx
     t = weights.tensors
-    p = ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T]; F32 for any type
+    p = embedded if embedded is not None else ggml.ggml_get_rows(c, t[TOKEN_EMBD], tokens)  # [n_embd, T], F32
     bank = ResidualBank()
     first_moe = cfg.moe_layers[0] if cfg.moe_layers else 0
     for l in range(cfg.num_layers):
@@ -48,6 +53,8 @@ def build_forward(g: GraphBuild, weights: GGUFWeights, tokens):
             g.record("hidden", l, p)
     g.begin_segment(OUTPUT_SEGMENT)
     out = attn_res(g, p, bank, t[OUTPUT_RES_SCORE])
+    if out_ids is not None:  # only these columns' logits (I32 [n]): the head is the largest matmul
+        out = ggml.ggml_get_rows(c, out, out_ids)
     out = g.rms_norm(out, t[OUTPUT_NORM], cfg.rms_norm_eps)
     return g.mm(t[OUTPUT], out)  # [vocab, T]
 

@@ -1,5 +1,6 @@
-"""LatentMoE (k3-spec D.6): a sigmoid router on the full width, routed SiTU experts in the latent
-space (MXFP4, or dequantized to F32 on the exact path), and the shared experts on the full width.
+"""LatentMoE (docs/reference/forward.md#latentmoe): a sigmoid router on the full width, routed SiTU
+experts in the latent space (MXFP4, or dequantized to F32 on the exact path), and the shared experts
+on the full width.
 
 Layout (ggml `ne` order, one sequence): x [n_embd, T]; latent z [L, T]; per selected expert
 [L, k, T]; expert ids I32 [k, T].
@@ -97,7 +98,7 @@ def _routed_experts(g: GraphBuild, w: LayerWeights, z: Tensor, ids: Tensor) -> T
     """SiTU experts in the latent space: z [L, T] -> per selected expert [L, k, T].
 
     Fast path: ggml_mul_mat_id on the MXFP4 tensors (ggml quantizes the activations to 8 bits
-    first: ~1% per layer, findings.md). Exact path: the same mul_mat_id over the selected
+    first: ~1% per layer, docs/reference/findings.md). Exact path: the same mul_mat_id over the selected
     experts dequantized to F32, so the activations stay F32.
     """
     c, k, T = g.ctx, g.cfg.num_experts_used, g.n_tokens
@@ -139,7 +140,7 @@ def _routed_experts_by_slot(g: GraphBuild, z: Tensor, ids: Tensor, stacks: list[
 
 
 def build_moe(g: GraphBuild, w: LayerWeights, x: Tensor) -> Tensor:
-    """LatentMoE on the normed input x [n_embd, T] (D.6)."""
+    """LatentMoE on the normed input x [n_embd, T] (docs/reference/forward.md#latentmoe)."""
     c, cfg, T = g.ctx, g.cfg, g.n_tokens
     ids, weights = _route(g, w, x)
     # Made (so computed) after the router and before the routed experts: a memory budget's

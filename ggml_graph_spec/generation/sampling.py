@@ -1,7 +1,7 @@
-"""Token sampling from one row of logits: repeat penalty, temperature, top-k, top-p, min-p,
-seeded RNG.
+"""Token sampling from one row of logits: repeat, presence and frequency penalties, temperature,
+top-k, top-p, min-p, seeded RNG.
 
-The filters run in llama.cpp's default sampler order (the repeat penalty over the last
+The filters run in llama.cpp's default sampler order (the penalties over the last
 repeat_last_n accepted tokens, then top-k, top-p, min-p on the untempered distribution, then
 temperature, then a draw; a temperature <= 0 takes the best token after the penalty), with
 llama-cli's defaults and its meaning of "off" for each one, so that the same flags mean the same
@@ -33,6 +33,8 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh seed from the OS
     repeat_penalty: float = DEFAULT_REPEAT_PENALTY  # 1.0: off
     repeat_last_n: int = DEFAULT_REPEAT_LAST_N  # 0: off; the window of accepted tokens penalised
+    presence_penalty: float = 0.0  # 0: off; subtracted once from each token in the window
+    frequency_penalty: float = 0.0  # 0: off; subtracted once per occurrence in the window
     suppress: frozenset[int] = frozenset()  # token ids never sampled
 
     @property
@@ -92,6 +94,18 @@ def repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) ->
     return out
 
 
+def presence_frequency_penalty(logits: np.ndarray, recent: Sequence[int], presence: float,
+                               frequency: float) -> np.ndarray:
+    """llama.cpp's (and OpenAI's) additive penalties: each recent token's logit less `presence`
+    once and `frequency` times the number of its occurrences in the window."""
+    if (presence == 0.0 and frequency == 0.0) or not recent:
+        return logits
+    ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+    out = logits.copy()
+    out[ids] -= (np.float32(presence) + np.float32(frequency) * counts).astype(np.float32)
+    return out
+
+
 class Sampler:
     """Draws token ids from logits rows; one RNG per sampler, so a seed fixes the whole run. The
     tokens it is told about (`accept`: the prompt's and its own) feed the repeat penalty."""
@@ -114,6 +128,8 @@ class Sampler:
             logits = logits.copy()
             logits[list(self.params.suppress)] = -np.inf
         logits = repeat_penalty(logits, self._recent, self.params.repeat_penalty)
+        logits = presence_frequency_penalty(logits, self._recent, self.params.presence_penalty,
+                                            self.params.frequency_penalty)
         if self.params.greedy:
             return int(np.argmax(logits))
         logits = top_k_filter(logits, self.params.top_k)
@@ -121,3 +137,18 @@ class Sampler:
         logits = min_p_filter(logits, self.params.min_p)
         probs = _probs(logits / np.float32(self.params.temp))
         return int(self._rng.choice(probs.size, p=probs))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The model's log-probabilities of one logits row (float64, before any sampling filter)."""
+    z = np.asarray(logits, dtype=np.float64).reshape(-1)
+    z = z - np.max(z)
+    return z - np.log(np.exp(z).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n most likely (token, logprob), most likely first; ties: the lower id first."""
+    if n <= 0:
+        return []
+    order = np.argsort(-logprobs, kind="stable")[:n]
+    return [(int(i), float(logprobs[i])) for i in order]

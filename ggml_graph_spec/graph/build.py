@@ -8,7 +8,8 @@ allocates the graph once (ggml-alloc), uploads `inputs`, computes and reads `rec
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable, Hashable, Iterable
+from functools import partial
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import ggml
 import numpy as np
@@ -21,6 +22,7 @@ from . import taps
 Tensor = ggml.ggml_tensor_p
 
 from .placement import INPUT_SEGMENT
+from .ubatch import SeqRun, Span, UBatch
 
 F32 = ggml.GGML_TYPE_F32
 F16 = ggml.GGML_TYPE_F16
@@ -45,20 +47,29 @@ def new_tensor(ctx, ggml_type: int, ne: tuple[int, ...]):
     return ggml.ggml_new_tensor(ctx, ggml_type, len(ne), (ctypes.c_int64 * len(ne))(*ne))
 
 
+def _input_array(name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray) -> np.ndarray:
+    value = np.ascontiguousarray(value, dtype=NUMPY_OF[ggml_type])
+    if value.shape != tuple(reversed(ne)):
+        raise ValueError(f"input {name}: value shape {value.shape} does not match ne {ne}")
+    return value
+
+
 def causal_mask(n_past: int, n_tokens: int) -> np.ndarray:
     """[n_tokens, n_kv] with 0 where key s <= the query's position n_past + t, -inf elsewhere."""
-    n_kv = n_past + n_tokens
-    visible = np.arange(n_kv)[None, :] <= (n_past + np.arange(n_tokens))[:, None]
-    return np.where(visible, 0.0, -np.inf).astype(np.float32)
+    mask = np.zeros((n_tokens, n_past + n_tokens), np.float32)
+    mask[:, n_past:] = np.triu(np.full((n_tokens, n_tokens), -np.inf, np.float32), 1)
+    return mask
 
 
 class GraphBuild:
     """One graph under construction.
 
-    Builders read ctx/gf/cfg/cache, n_tokens, n_past, n_kv = n_past + n_tokens, exact, dsa_path
-    (one of DSA_PATHS), and kq_mask (F32 [n_kv, n_tokens], 0 / -inf causal); they add inputs with `input`
-    (`constant` for one shared by several builders), write the persistent caches with `store` /
-    `overwrite`, and keep extra outputs with `record`.
+    Builders read ctx/gf/cfg/cache, `ubatch` (the runs of sequences the graph computes, ubatch.py),
+    n_tokens (all of them), exact, dsa_path (one of DSA_PATHS) and `kq_mask(run)` (F32
+    [n_kv, n_tokens] of the run, 0 / -inf causal); they add inputs with `input` (`constant` for
+    one shared by several builders), write the persistent caches with `store` / `overwrite` /
+    `plane` / `gather_planes` / `scatter_planes`, and keep extra outputs with `record`. A graph of
+    one run (a single sequence) also has `n_past`, `n_kv` and `kq_mask` as plain attributes.
 
     With `segments`, every tensor is also labelled with the segment (a layer index, or
     placement.INPUT_SEGMENT / OUTPUT_SEGMENT) that was current when it was created
@@ -66,16 +77,17 @@ class GraphBuild:
     weights and caches are.
     """
 
-    def __init__(self, ctx, gf, cfg: K3Config, cache, *, n_tokens: int, exact: bool,
-                 top_k: int | None, wants: Iterable[str] = (), dsa_path: str = "masked", segments: bool = False,
-                 bind_experts: Callable | None = None, predict_experts: Callable | None = None):
+    def __init__(self, ctx, gf, cfg: K3Config, cache, *, exact: bool, top_k: int | None,
+                 n_tokens: int | None = None, ubatch: UBatch | None = None, wants: Iterable[str] = (),
+                 dsa_path: str = "masked", segments: bool = False, bind_experts: Callable | None = None,
+                 predict_experts: Callable | None = None):
+        """Give either `ubatch` or `n_tokens` (one run of sequence 0 after its cached tokens)."""
         self.ctx = ctx
         self.gf = gf
         self.cfg = cfg
         self.cache = cache
-        self.n_tokens = n_tokens
-        self.n_past = cache.n_past
-        self.n_kv = self.n_past + n_tokens
+        self.ubatch = ubatch if ubatch is not None else UBatch.single(cache.n_past, n_tokens)
+        self.n_tokens = self.ubatch.n_tokens
         self.exact = exact
         # (g, layer, ids, expert stacks) -> (ids, stacks) the expert matmuls read: Executor.bind_experts
         self.bind_experts = bind_experts
@@ -86,25 +98,47 @@ class GraphBuild:
             raise ValueError(f"dsa_path must be one of {DSA_PATHS}, got {dsa_path!r}")
         self.dsa_path = dsa_path
         self._wants = frozenset(wants)
-        self.inputs: list[tuple[Any, np.ndarray]] = []
+        self.inputs: list[tuple[Any, np.ndarray | Callable[[], np.ndarray]]] = []
         self.records: dict[tuple[str, int | str], Any] = {}  # (what, layer or weight name) -> tensor
         self._constants: dict[str, Any] = {}
         self._segments: dict[int, Hashable] | None = {} if segments else None  # tensor address -> segment
         self._segment: Hashable = INPUT_SEGMENT
         self._seen = None  # the last tensor of ctx given a segment
-        self.kq_mask = self.input("kq_mask", F32, (self.n_kv, n_tokens), causal_mask(self.n_past, n_tokens))
+        runs = self.ubatch.runs
+        self._masks = {r.seq: self.input("kq_mask" if len(runs) == 1 else f"kq_mask.{r.seq}", F32,
+                                         (r.n_kv, r.n_tokens), partial(causal_mask, r.n_past, r.n_tokens))
+                       for r in runs}
+        if len(runs) == 1:  # the single-sequence view
+            self.n_past, self.n_kv = runs[0].n_past, runs[0].n_kv
+            self.kq_mask = self._masks[runs[0].seq]
+
+    def kq_mask_of(self, run: SeqRun | Span):
+        """The causal mask of one run, F32 [n_kv, n_tokens] (0 / -inf); of a span, its rows (a view)."""
+        if isinstance(run, SeqRun):
+            return self._masks[run.seq]
+        mask = self._masks[run.run.seq]
+        if run.n == run.run.n_tokens:
+            return mask
+        nb1 = mask.contents.nb[1]
+        return ggml.ggml_view_2d(self.ctx, mask, run.n_kv, run.n, nb1, run.t0 * nb1)
 
     # ---- inputs and outputs ------------------------------------------------------------------
-    def input(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
-        """A graph input whose data (numpy, C order = ne reversed) is uploaded before compute."""
-        value = np.ascontiguousarray(value, dtype=NUMPY_OF[ggml_type])
-        if value.shape != tuple(reversed(ne)):
-            raise ValueError(f"input {name}: value shape {value.shape} does not match ne {ne}")
+    def input(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray | Callable[[], np.ndarray]):
+        """A graph input whose data (numpy, C order = ne reversed) is uploaded before compute; a
+        callable value is made only then (a graph built to be measured never makes it)."""
         t = new_tensor(self.ctx, ggml_type, ne)
         ggml.ggml_set_name(t, name.encode())
         ggml.ggml_set_input(t)
-        self.inputs.append((t, value))
+        if callable(value):
+            self.inputs.append((t, lambda: _input_array(name, ggml_type, ne, value())))
+        else:
+            self.inputs.append((t, _input_array(name, ggml_type, ne, value)))
         return t
+
+    def input_arrays(self) -> Iterator[tuple[Any, np.ndarray]]:
+        """(tensor, data) of every input, the lazy ones made now."""
+        for t, value in self.inputs:
+            yield t, value() if callable(value) else value
 
     def constant(self, name: str, ggml_type: int, ne: tuple[int, ...], value: np.ndarray):
         """An input made once per graph however many builders ask for it by `name`."""
@@ -168,13 +202,17 @@ class GraphBuild:
         self.records[(what, layer)] = t
 
     # ---- persistent state --------------------------------------------------------------------
-    def store(self, cache_tensor, src):
-        """Write src [row, n_tokens] into rows n_past.. of cache_tensor [row, n_ctx]; view rows 0..n_kv."""
+    def store(self, cache_tensor, src, run: SeqRun | None = None):
+        """Write src [row, n_tokens of the run] into the run's rows n_past.. of cache_tensor
+        [row, n_ctx, n_seq] (its sequence's plane); a view of that plane's rows 0..n_kv.
+        run None: the graph's only run."""
+        run = run if run is not None else self.ubatch.runs[0]
         c = cache_tensor.contents
-        row_bytes = c.nb[1]
-        dst = ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], self.n_tokens, row_bytes, self.n_past * row_bytes)
+        row_bytes, base = c.nb[1], run.seq * c.nb[2]
+        dst = ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], run.n_tokens, row_bytes,
+                                base + run.n_past * row_bytes)
         self.expand(ggml.ggml_cpy(self.ctx, src, dst))
-        return ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], self.n_kv, row_bytes, 0)
+        return ggml.ggml_view_2d(self.ctx, cache_tensor, c.ne[0], run.n_kv, row_bytes, base)
 
     def overwrite(self, state_tensor, src) -> None:
         """Replace a whole persistent state (same element count) with src at the end of its use."""
@@ -182,6 +220,30 @@ class GraphBuild:
         src = ggml.ggml_cont(self.ctx, src) if not ggml.ggml_is_contiguous(src) else src
         flat = ggml.ggml_reshape_1d(self.ctx, src, ggml.ggml_nelements(src))
         self.expand(ggml.ggml_cpy(self.ctx, flat, dst))
+
+    # ---- per-sequence planes of a state [..., n_seq] -------------------------------------------
+    def _plane_elems(self, state_tensor) -> int:
+        # The last dimension is the sequence (cache.py); ggml_n_dims would skip it at n_seq 1.
+        return ggml.ggml_nelements(state_tensor) // self.cache.n_seq
+
+    def plane(self, state_tensor, seq: int, count: int = 1):
+        """The planes of sequences seq .. seq+count-1 of a state, as one flat view (no copy)."""
+        n = self._plane_elems(state_tensor)
+        return ggml.ggml_view_1d(self.ctx, state_tensor, n * count, seq * n * ggml.ggml_element_size(state_tensor))
+
+    def gather_planes(self, state_tensor, seqs: list[int]):
+        """The planes of `seqs`, in that order: [elements of a plane, len(seqs)] (a copy)."""
+        flat = ggml.ggml_reshape_2d(self.ctx, state_tensor, self._plane_elems(state_tensor), self.cache.n_seq)
+        ids = self.constant("seqs." + ",".join(map(str, seqs)), I32, (len(seqs),), np.asarray(seqs))
+        return ggml.ggml_get_rows(self.ctx, flat, ids)
+
+    def scatter_planes(self, state_tensor, src, seqs: list[int]) -> None:
+        """Write src [elements of a plane, len(seqs)] back as the planes of `seqs`."""
+        flat = ggml.ggml_reshape_2d(self.ctx, state_tensor, self._plane_elems(state_tensor), self.cache.n_seq)
+        src = ggml.ggml_cont(self.ctx, src) if not ggml.ggml_is_contiguous(src) else src
+        src = ggml.ggml_reshape_2d(self.ctx, src, self._plane_elems(state_tensor), len(seqs))
+        ids = self.constant("seqs." + ",".join(map(str, seqs)), I32, (len(seqs),), np.asarray(seqs))
+        self.expand(ggml.ggml_set_rows(self.ctx, flat, src, ids))
 
     # ---- DSA ---------------------------------------------------------------------------------
     def dsa_top_k(self, layer: int) -> int | None:

@@ -7,6 +7,14 @@ caches as the tokens it sampled. A reply cut short (Ctrl-C, -n, a reverse prompt
 the EOS token before the next turn, as llama-cli does, so the next turn starts after a finished
 one. `-i` without a template feeds the user's text as it is.
 
+With --mmproj a turn may hold images and clips (the command line's go with the first turn,
+`/image FILE` and `/video F0,F1` add one to the next): its user message's content is then parts,
+the text around its `<__media__>` markers and each item's part, which the template renders with its
+own media placeholder (the built-in K3 template: K3's media block); each placeholder token of the
+turn's new tokens is replaced by its item's rows (generation/media.py). A turn whose markers or
+placeholders do not match its items, or a file that cannot be used, is an error line; the
+conversation goes on.
+
 The input loop reads lines from a terminal (prompt `> `, a line ending in `\\` continues on the
 next one) or from a pipe (no prompt); `/exit` or the end of input ends the conversation.
 """
@@ -17,54 +25,29 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
-from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, SAMPLE_CONVERSATION
+from gguf_arch.arch.chat_template import SAMPLE_CONVERSATION
 from gguf_arch.arch.template_sandbox import compile_template, render
+from gguf_arch.errors import KimiError
 from gguf_arch.io.console import UsageError
 from gguf_arch.io.jsonfile import read_text
 
-from ..generation.generate import Interrupt, Reply, StopRules, Timings, generate, sigint_stops
 from ..engine.model import Model
+from ..generation.batch import Prompt
+from ..generation.events import Reply, StopRules, Timings
+from ..generation.generate import check_fits, generate
+from ..generation.media import media_runs, plan_media
 from ..generation.sampling import Sampler
+from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, ReplyFilter, reserved_kwargs
 from ..text.tokenizer import BPETokenizer
+from ..vision.encode import VisionEncoder
+from ..vision.preprocess import MediaError, MediaItem
+from ..vision.prompt import PromptError, expand_markers, media_content
+from .interrupt import Interrupt, sigint_stops
+from .media import command_item, media_command
 
-CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 EXIT_COMMAND = "/exit"
-# K3's XTML markup: what lies between an opening or closing token and the next <|sep|> is a tag
-# name and attributes, not text of the reply.
-_TAG_START = ("<|open|>", "<|close|>")
-_TAG_END = "<|sep|>"
-
-
-class ChatTemplate:
-    """A chat template compiled in the sandbox, rendered as Hugging Face renders it."""
-
-    def __init__(self, text: str, where: str, tokenizer: BPETokenizer, kwargs: Mapping[str, Any]) -> None:
-        self.where = where
-        self._template = compile_template(text, where, UsageError)
-        special = lambda i: tokenizer.decode([i]) if i is not None else ""  # noqa: E731
-        self._context = {"bos_token": special(tokenizer.bos_id), "eos_token": special(tokenizer.eos_id),
-                         **kwargs}
-
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        # In the bounded sandbox: any failure, a bound included, is one line naming the template.
-        return render(self._template, self.where, UsageError, messages=list(messages),
-                      add_generation_prompt=add_generation_prompt, **self._context)
-
-
-def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: tuple[Path, str] | None,
-                  kwargs: Mapping[str, Any], gguf: Path | str = "the GGUF") -> tuple[ChatTemplate, str]:
-    """--chat-template-file (its path and text), else the GGUF's tokenizer.chat_template, else the
-    built-in K3 template; with a line saying which."""
-    if file is not None:
-        return ChatTemplate(file[1], str(file[0]), tokenizer, kwargs), f"chat template: {file[0]}"
-    text = metadata.get(CHAT_TEMPLATE_KEY)
-    if isinstance(text, str):
-        return (ChatTemplate(text, f"{gguf}: {CHAT_TEMPLATE_KEY}", tokenizer, kwargs),
-                f"chat template: the GGUF's {CHAT_TEMPLATE_KEY}")
-    return (ChatTemplate(K3_CHAT_TEMPLATE, "built-in K3 template", tokenizer, kwargs),
-            f"chat template: the GGUF has no {CHAT_TEMPLATE_KEY}; using the built-in K3 template")
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,10 +68,6 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop the reply when the output shows PROMPT and return control (repeatable)")
 
 
-# The variables the runner itself gives every template: a kwarg of the same name would collide.
-RESERVED_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
-
-
 def parse_template_kwargs(text: str) -> dict[str, Any]:
     """--chat-template-kwargs: a JSON object of extra template variables (llama.cpp's option)."""
     try:
@@ -99,7 +78,7 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
         raise UsageError("--chat-template-kwargs: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise UsageError(f"--chat-template-kwargs: expected a JSON object, got {text!r}")
-    reserved = [k for k in RESERVED_KWARGS if k in value]
+    reserved = reserved_kwargs(value)
     if reserved:
         raise UsageError(f"--chat-template-kwargs: {', '.join(reserved)} is set by the runner for every template "
                          f"(reserved: {', '.join(RESERVED_KWARGS)}); give another name")
@@ -116,29 +95,11 @@ def check_chat_options(a: argparse.Namespace) -> None:
         return
     where = str(a.chat_template_file)
     text = read_text(a.chat_template_file, UsageError, "no such file")
-    system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt is not None else []
+    system = [{"role": "system", "content": a.system_prompt}] if getattr(a, "system_prompt", None) is not None else []
     render(compile_template(text, where, UsageError), where, UsageError,
            **{"bos_token": "", "eos_token": "", **a.template_kwargs},
            messages=system + list(SAMPLE_CONVERSATION), add_generation_prompt=True)
     a.template_file = (a.chat_template_file, text)
-
-
-class ReplyFilter:
-    """Which tokens of a chat reply are shown: no special tokens, no XTML tag names or attributes."""
-
-    def __init__(self, tokenizer: BPETokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._starts = {i for i in map(tokenizer.special_id, _TAG_START) if i is not None}
-        self._end = tokenizer.special_id(_TAG_END)
-        self._in_tag = False
-
-    def __call__(self, token: int) -> bool:
-        if token in self._starts:
-            self._in_tag = True
-        elif token == self._end:
-            self._in_tag = False
-            return False
-        return not (self._in_tag or self._tokenizer.is_special(token))
 
 
 @dataclass
@@ -150,29 +111,55 @@ class Conversation:
     sampler: Sampler
     stop: StopRules
     template: ChatTemplate | None  # None: -i, the user's text goes in as it is
+    encoder: VisionEncoder | None = None  # with --mmproj: turns may hold images and clips
     messages: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[MediaItem] = field(default_factory=list)  # the next turn's images and clips
     _rendered: str = ""  # the template's rendering of `messages`, without a generation prompt
     _unevaluated: list[int] = field(default_factory=list)  # the end of the last reply, not yet in the caches
 
-    def new_tokens(self, user_text: str) -> list[int]:
-        """The tokens this turn adds to the caches: the end of the last reply, then the turn."""
+    def new_tokens(self, user_text: str, items: list[MediaItem] | None = None) -> list[int]:
+        """The tokens this turn adds to the caches: the end of the last reply, then the turn (with
+        its items, one placeholder each). The user message is kept only once it renders."""
         first = self.model.n_past == 0 and not self._unevaluated
+        if self.encoder is not None and not items:
+            expand_markers(user_text, [])  # a marker without its image or clip is an error
         if self.template is None:
-            text = user_text
+            text = expand_markers(user_text, items) if items else user_text
         else:
-            self.messages.append({"role": "user", "content": user_text})
-            full = self.template.render(self.messages, add_generation_prompt=True)
+            message = {"role": "user", "content": media_content(user_text, items) if items else user_text}
+            full = self.template.render(self.messages + [message], add_generation_prompt=True)
             text = full[_common_prefix(self._rendered, full):]
+            self.messages.append(message)
         ids = self.tokenizer.encode(text, add_bos=None if first else False)
         return self._unevaluated + ids
 
+    def new_input(self, user_text: str, timings: Timings) -> Prompt:
+        """new_tokens, with the pending items' rows in place of their placeholders (runs of ids
+        and rows; checked to fit the context before anything is encoded)."""
+        items, self.pending = self.pending, []
+        tokens = self.new_tokens(user_text, items)
+        if not items:
+            return tokens
+        try:
+            prompt = plan_media(self.encoder, tokens, items)
+        except PromptError:
+            if self.template is not None:
+                self.messages.pop()  # the turn is not held: the template lost or added a placeholder
+            raise
+        check_fits(self.model, 0, len(prompt))
+        return media_runs(self.model, self.encoder, prompt, timings)
+
+    def attach(self, command: str, arg: str) -> None:
+        """A /image or /video line: its item goes with the next turn."""
+        self.pending.append(command_item(self.encoder, command, arg))
+
     def turn(self, user_text: str, out: TextIO, timings: Timings, interrupt: Interrupt | None = None) -> Reply:
         """Feed the user's turn, stream the reply to `out`, and keep what the next turn needs."""
-        tokens = self.new_tokens(user_text)
+        tokens = self.new_input(user_text, timings)
         self.sampler.reset()
         show = ReplyFilter(self.tokenizer) if self.template is not None else (lambda _t: True)
-        reply = generate(self.model, self.tokenizer, tokens, self.sampler, self.stop, out=out, timings=timings,
-                         show=show, interrupt=interrupt)
+        reply = stream(generate(self.model, tokens, self.sampler, self.stop, timings=timings, show=show,
+                                stop_requested=_flag(interrupt)), out)
         self._unevaluated = [] if reply.pending is None else [reply.pending]
         if self.template is not None:
             if reply.reason != "eog" and self.tokenizer.eos_id is not None:
@@ -180,6 +167,18 @@ class Conversation:
             self.messages.append({"role": "assistant", "content": reply.text})
             self._rendered = self.template.render(self.messages, add_generation_prompt=False)
         return reply
+
+
+def stream(generation, out: TextIO) -> Reply:
+    """Print a generation's text as it comes."""
+    for event in generation:
+        out.write(event.text)
+        out.flush()
+    return generation.reply
+
+
+def _flag(interrupt: Interrupt | None):
+    return (lambda: False) if interrupt is None else (lambda: interrupt.requested)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -259,6 +258,11 @@ def _read(reader: LineReader, out: TextIO) -> str | None:
         raise
 
 
+def _media_turn_error(exc: KimiError) -> None:
+    # A turn's media that cannot be used ends that turn, not the conversation (llama-mtmd-cli).
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
 def converse(conversation: Conversation, first: str | None, reader: LineReader, out: TextIO,
              timings: Timings) -> None:
     """Turns until /exit or the end of input; Ctrl-C during a reply ends that reply only."""
@@ -268,11 +272,21 @@ def converse(conversation: Conversation, first: str | None, reader: LineReader, 
             pending = _read(reader, out)
             if pending is None or pending.strip() == EXIT_COMMAND:
                 break
-        if pending.strip():
-            with sigint_stops() as interrupt:
-                conversation.turn(pending, out, timings, interrupt)
-            out.write("\n")
-            out.flush()
+        command = media_command(pending)
+        try:
+            if command is not None:
+                conversation.attach(*command)
+            elif pending.strip():
+                with sigint_stops() as interrupt:
+                    conversation.turn(pending, out, timings, interrupt)
+                out.write("\n")
+                out.flush()
+        except (MediaError, PromptError) as exc:
+            _media_turn_error(exc)
+        except UsageError as exc:  # a /image or /video line without --mmproj or a file
+            if command is None:
+                raise
+            _media_turn_error(exc)
         pending = None
     if reader.terminal:
         out.write("\n")

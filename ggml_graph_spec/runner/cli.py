@@ -14,68 +14,34 @@ import argparse
 import secrets
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-import ggml
 import numpy as np
 
-from gguf_arch.arch.config import K3Config
-from gguf_arch.arch.keys import config_from_metadata
 from gguf_arch.errors import run_cli, signals
-from gguf_arch.io.console import ArgumentParser, human_size
+from gguf_arch.io.console import ArgumentParser
 from gguf_arch.io.jsonfile import read_text
 
-from .chat import Conversation, add_chat_arguments, chat_template, run_interactive
-from ..generation.generate import StopRules, Timings, generate, sigint_stops
-from ..graph.build import DSA_PATHS
-from ..weights.loader import load_gguf
-from ..backends.rpc.wire import DEFAULT_TIMEOUT_S, RpcTargets, add_rpc_arguments
-from ..backends.streaming.budget import add_budget_argument
 from ..backends.streaming.executor import StreamingExecutor
 from ..engine.model import Model
+from ..engine.options import DEFAULT_CTX, LoadOptions
+from ..generation.events import StopRules, Timings
+from ..generation.generate import generate
+from ..generation.media import generate_media, media_prompt
 from ..generation.perplexity import chunk_count, perplexity
-from ..weights.repack import add_repack_arguments, resolve_repack
-from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP, DEFAULT_TOP_K,
-                       DEFAULT_TOP_P, Sampler, SamplingParams)
+from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP,
+                                   DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams)
+from ..text.chat_template import chat_template
 from ..text.tokenizer import BPETokenizer
-from .validation import RANDOM_SEED, UsageError, apply_overrides, check_dsa, check_options, tokenizer_settings
+from .args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
+                   load_options)
+from .chat import Conversation, add_chat_arguments, run_interactive, stream
+from .interrupt import sigint_stops
+from .media import MediaInput, add_media_arguments, check_media
+from .summary import summary
+from .validation import RANDOM_SEED, UsageError, check_options
 
-DEFAULT_CTX = 4096  # llama-cli's -c default
-
-
-# ---------------------------------------------------------------------------------------------
-# --override-kv
-# ---------------------------------------------------------------------------------------------
-
-def _parse_bool(text: str) -> bool:
-    if text not in ("true", "false"):
-        raise ValueError("bool is 'true' or 'false'")
-    return text == "true"
-
-
-_OVERRIDE_TYPES = {"int": int, "float": float, "bool": _parse_bool, "str": str}
-
-
-def parse_override_kv(spec: str) -> tuple[str, Any]:
-    """`KEY=TYPE:VALUE` (llama.cpp's syntax, TYPE int|float|bool|str) -> (KEY, typed value)."""
-    key, eq, rest = spec.partition("=")
-    kind, colon, text = rest.partition(":")
-    if not (key and eq and colon) or kind not in _OVERRIDE_TYPES:
-        raise UsageError(f"--override-kv {spec!r}: expected KEY=TYPE:VALUE with TYPE one of "
-                         f"{', '.join(_OVERRIDE_TYPES)}")
-    try:
-        return key, _OVERRIDE_TYPES[kind](text)
-    except ValueError as exc:
-        raise UsageError(f"--override-kv {spec!r}: {text!r} is not a {kind} ({exc})") from None
-
-
-def _override(spec: str) -> tuple[str, Any]:
-    try:
-        return parse_override_kv(spec)
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--override-kv ")) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +50,7 @@ def _override(spec: str) -> tuple[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="kimi-k3-cli", description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", "--model", type=Path, required=True,
-                   help="kimi-k3 GGUF (a split GGUF: its first file, *-00001-of-0000N.gguf)")
+    add_model_argument(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (special tokens such as [BOS] are parsed)")
     src.add_argument("-f", "--file", type=Path, help="read the prompt (or the perplexity text) from a file")
@@ -108,19 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true",
                    help="never sample the end-of-generation token (EOS); go on until -n, a reverse prompt or a full context")
     add_chat_arguments(p)
-    p.add_argument("--override-kv", type=_override, action="append", default=[], metavar="KEY=TYPE:VALUE",
-                   help="override a GGUF metadata value, e.g. kimi-k3.attention.indexer.top_k=int:64 (repeatable)")
-    p.add_argument("--dsa", choices=("on", "off"), default=None,
-                   help="run the DSA indexer of a K3.1-Pro GGUF (default: on; off: dense MLA attention)")
-    p.add_argument("--dsa-path", choices=DSA_PATHS, default=None,
-                   help="DSA attention: gather = over only the top_k selected cache rows per query, masked = over "
-                        "the whole cache with the selection as a mask (same logits to rounding; default: gather, "
-                        "the faster one)")
-    p.add_argument("--exact-experts", action="store_true",
-                   help="exact path: F32 activations in every matmul, F32 caches, no flash attention")
-    add_repack_arguments(p)
-    add_rpc_arguments(p)
-    add_budget_argument(p)
+    add_model_arguments(p)
+    add_context_arguments(p)
+    add_placement_arguments(p)
+    add_media_arguments(p)
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
@@ -154,83 +110,22 @@ def _read_text(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# loading: overrides, context size, summary
+# loading
 # ---------------------------------------------------------------------------------------------
 
-def _context_size(requested: int, cfg: K3Config) -> int:
-    if requested == 0:
-        return cfg.context_length
-    if requested > cfg.context_length:
-        raise UsageError(f"-c {requested} exceeds the model's context length {cfg.context_length}")
-    return requested
-
-
-def load(args: argparse.Namespace) -> tuple[Model, BPETokenizer]:
-    """The model and tokenizer as the arguments ask for them."""
-    overrides = dict(args.override_kv)
-
-    def adjust(meta: dict[str, Any], cfg: K3Config) -> tuple[dict[str, Any], K3Config]:
-        # Before any ggml object: the overrides and the context size against the model's.
-        meta, cfg = apply_overrides(meta, cfg, overrides, str(args.model), config_from_metadata)
-        _context_size(args.ctx_size, cfg)
-        check_dsa(args.dsa, args.dsa_path, cfg, str(args.model))
-        return meta, cfg
-    repack = resolve_repack(args.repack, exact=args.exact_experts, rpc=args.rpc is not None,
-                            mem_budget=args.mem_budget is not None)
-    weights = load_gguf(args.model, repack=repack, adjust=adjust)
-    try:
-        tokenizer = BPETokenizer.from_gguf(weights.reader)
-        for attr, value in tokenizer_settings(overrides).items():
-            setattr(tokenizer, attr, value)
-        model = Model(weights, n_ctx=_context_size(args.ctx_size, weights.cfg), exact=args.exact_experts,
-                      dsa=args.dsa != "off", top_k=None, n_threads=args.threads, dsa_path=args.dsa_path,
-                      rpc=RpcTargets(args.rpc, args.rpc_timeout or DEFAULT_TIMEOUT_S) if args.rpc else (),
-                      tensor_split=args.tensor_split, progress=sys.stderr.isatty(),
-                      mem_budget=args.mem_budget)
-    except BaseException:
-        weights.close()
-        raise
+def load(path: Path, options: LoadOptions) -> Model:
+    """The model, loaded and warmed up."""
+    model = Model.load(path, options)
     # Warm-up, as llama-cli does: the first graph of a process pays one-time costs (thread pool,
     # allocator, first touch of the mapped weights) that belong in the load time, not the prompt's.
-    model.eval([tokenizer.bos_id if tokenizer.bos_id is not None else 0])
-    model.reset()
-    return model, tokenizer
-
-
-def summary(model: Model, tokenizer: BPETokenizer, overrides: dict[str, Any]) -> list[str]:
-    """llama.cpp-style `print_info` lines about the loaded model (after the overrides)."""
-    cfg, w = model.cfg, model.weights
-    types = Counter(ggml.ggml_type_name(t.contents.type).decode() for t in w.tensors.values())
-    dsa = "none (plain kimi-k3)"
-    if cfg.indexer is not None:
-        state = f"on, top_k {model.top_k}, {model.dsa_path}" if model.top_k is not None else "off: dense MLA"
-        dsa = f"{list(cfg.indexer.layers)} ({state})"
-    rows = [
-        ("file", f"{w.path}"),
-        ("arch", w.metadata.get("general.architecture", "?")),
-        ("name", w.metadata.get("general.name", "?")),
-        ("n_layer", f"{cfg.num_layers} ({len(cfg.kda.layers)} KDA, {len(cfg.mla_layers)} MLA)"),
-        ("DSA layers", dsa),
-        ("n_embd", cfg.hidden_size),
-        ("n_vocab", cfg.vocab_size),
-        ("n_expert", f"{cfg.num_experts} ({cfg.num_experts_used} used, {cfg.num_shared_experts} shared, "
-                     f"{cfg.first_k_dense_replace} dense layer(s) first)"),
-        ("n_ctx", f"{model.n_ctx} (train {cfg.context_length})"),
-        ("tensor types", ", ".join(f"{n} {k}" for k, n in sorted(types.items()))),
-        ("path", "exact (F32 activations, F32 caches)" if model.exact else "fast (as llama.cpp: quantized "
-                 "activations for quantized weights, F16 latent cache)"),
-        ("ggml CPU", f"llamafile sgemm {'on' if ggml.ggml_cpu_has_llamafile() else 'off (slower prompt batches)'}; "
-                     + (f"{len(w.repacked)} expert tensors repacked ({human_size(w.repacked_bytes)})"
-                        if w.repacked else "weights mapped from the file, none repacked")
-                     + (f" ({w.repack_why})" if w.repack_why else "")),
-        ("BOS / EOS", f"{tokenizer.bos_id} / {tokenizer.eos_id} (add BOS: {str(tokenizer.add_bos).lower()})"),
-    ]
-    if model.devices is not None:
-        rows += model.devices.summary(model.cache, model.executor)
-    if isinstance(model.executor, StreamingExecutor):
-        rows += model.executor.summary()
-    rows += [("override", f"{k} = {v!r}") for k, v in overrides.items()] + [("note", n) for n in w.notes]
-    return [f"print_info: {k:<16} = {v}" for k, v in rows]
+    try:
+        tok = model.tokenizer
+        model.eval([tok.bos_id if tok.bos_id is not None else 0])
+        model.reset()
+    except BaseException:
+        model.close()
+        raise
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +138,7 @@ def _log(lines: Sequence[str], prefix: str = "") -> None:
 
 
 def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
-                    timings: Timings) -> bool:
+                    timings: Timings, _media: None) -> bool:
     tokens = tokenizer.encode(text)
     n_ctx = model.n_ctx
 
@@ -282,18 +177,24 @@ def _stop_rules(args: argparse.Namespace, tokenizer: BPETokenizer) -> StopRules:
 
 
 def _run_completion(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str,
-                    timings: Timings) -> bool:
-    if not args.no_display_prompt:
-        sys.stdout.write(text)
+                    timings: Timings, media: MediaInput | None) -> bool:
+    prompt = None if media is None else media_prompt(model, media.encoder, text, media.items)
+    if not args.no_display_prompt:  # with media: the media blocks the model reads
+        sys.stdout.write(text if prompt is None else prompt.text)
+    sampler, stop = _sampler(args, model, tokenizer), _stop_rules(args, tokenizer)
     with sigint_stops() as interrupt:
-        reply = generate(model, tokenizer, tokenizer.encode(text), _sampler(args, model, tokenizer),
-                         _stop_rules(args, tokenizer), out=sys.stdout, timings=timings, interrupt=interrupt)
+        flag = lambda: interrupt.requested  # noqa: E731
+        generation = (generate(model, tokenizer.encode(text), sampler, stop, timings=timings, stop_requested=flag)
+                      if prompt is None else
+                      generate_media(model, media.encoder, prompt, (), sampler, stop, timings=timings,
+                                     stop_requested=flag))
+        reply = stream(generation, sys.stdout)
     print()
     return reply.reason == "interrupted"
 
 
 def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str | None,
-                      timings: Timings) -> bool:
+                      timings: Timings, media: MediaInput | None) -> bool:
     template, template_line = None, ""
     if args.mode == "chat":  # the options were checked before loading (chat.check_chat_options)
         template, template_line = chat_template(model.weights.metadata, tokenizer, args.template_file,
@@ -301,7 +202,7 @@ def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPEToke
     elif text is not None and not args.no_display_prompt:
         sys.stdout.write(text)
     conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),
-                                template)
+                                template, encoder=media and media.encoder, pending=list(media.items) if media else [])
     run_interactive(conversation, text, args.system_prompt, template_line, timings, _log)
     return False
 
@@ -318,22 +219,27 @@ _RUNNERS = {"complete": _run_completion, "chat": _run_conversation, "interactive
 
 def run(args: argparse.Namespace) -> None:
     _log(check_options(args))
+    options = load_options(args, progress=sys.stderr.isatty())  # one load path: LoadOptions, Model.load
     args.mode = run_mode(args)
     text = _read_text(args.file) if args.file is not None else args.prompt
+    media = check_media(args, text)
     timings = Timings()
     t = time.perf_counter()
-    model, tokenizer = load(args)
-    timings.load_s = time.perf_counter() - t
+    model = load(args.model, options)
+    tokenizer = model.tokenizer
     # A stop signal that ends the process inside a ggml call prints the timings too (signals.py).
     signals.at_stop(lambda: [f"kimi_k3_perf: {line}" for line in timings.lines()])
     try:
-        _log(summary(model, tokenizer, dict(args.override_kv)))
+        if media is not None:  # the same path as the model's: F32 everywhere with --exact-experts
+            media.open(exact=args.exact_experts, threads=args.threads)
+        timings.load_s = time.perf_counter() - t
+        _log(summary(model) + (media.summary() if media is not None else []))
         if args.mode != "perplexity":
             args.seed = _draw_seed(args.seed)
             _log([f"sampler seed: {args.seed}"])
         stop = None
         try:
-            if _RUNNERS[args.mode](args, model, tokenizer, text, timings):
+            if _RUNNERS[args.mode](args, model, tokenizer, text, timings, media):
                 stop = KeyboardInterrupt()
         except KeyboardInterrupt as exc:  # Ctrl-C at a conversation's prompt or in perplexity; SIGTERM
             stop = exc
@@ -344,6 +250,8 @@ def run(args: argparse.Namespace) -> None:
         if stop is not None:  # llama-cli prints the timings, then exits 130 (143 for SIGTERM)
             raise stop
     finally:
+        if media is not None:
+            media.close()
         model.close()
 
 

@@ -36,14 +36,16 @@ from tqdm import tqdm
 
 from gguf_arch.arch.tensors import OUTPUT, ROUTED_EXPERTS, gguf_layer, layer_name
 from gguf_arch.errors import KimiError, run_cli
-from gguf_arch.io.console import ArgumentParser, cpu_count, output_file
+from gguf_arch.io.console import ArgumentParser, output_file
 from gguf_arch.io.output_paths import guard_outputs
 from gguf_arch.io.imatrix import ImatrixAccumulator, write_imatrix
 from gguf_arch.io.jsonfile import read_text
 from gguf_arch.io.saliency import SaliencyAccumulator, write_saliency
 
 from ..graph import taps
-from ..engine.model import EvalResult, Model
+from ..engine.model import Model
+from ..engine.options import LoadOptions
+from ..engine.results import EvalResult
 from ..text.tokenizer import BPETokenizer
 
 DEFAULT_CHUNK = 512  # llama-imatrix's -c default
@@ -174,8 +176,7 @@ def _calibrate(a: argparse.Namespace, model: Model, work: list[tuple[TextFile, l
 
 def run(a: argparse.Namespace) -> None:
     _check_args(a)
-    model = Model.load(a.model, n_ctx=a.ctx_size, exact_experts=a.exact_experts,
-                       n_threads=a.threads or cpu_count())
+    model = Model.load(a.model, LoadOptions(n_ctx=a.ctx_size, exact_experts=a.exact_experts, n_threads=a.threads))
     try:
         work = _tokenized(a.files, BPETokenizer.from_gguf(a.model), a.ctx_size, a.chunks)
         n_tokens = sum(len(c) for _, chunks in work for c in chunks)

@@ -19,7 +19,7 @@ The output: kept experts in ascending original id, each copied bit for bit (the 
 tensors with their MXFP4 scales, whatever their type, the router's row and bias entry: each a
 contiguous run of bytes); every other tensor (shared experts included) byte for byte;
 expert_count = N, expert_used_count = min(k, N), the pruning keys (gguf_arch/arch/pruned.py), and an
-integrity manifest `OUT.gguf.sha256.json` as the converter writes. Streamed in bounded chunks
+integrity manifest `OUT.gguf.manifest.json` as the converter writes. Streamed in bounded chunks
 (plain reads, never the whole model in memory); a split IN is read part by part, OUT is one file.
 With the renormalised sigmoid router, a token whose selected experts all survive is routed
 exactly as before; the others choose among the survivors.

@@ -154,6 +154,11 @@ class GGUFWeights:
         return self._files[0].reader
 
     @property
+    def readers(self) -> list[GGUFReader]:
+        """gguf-py's readers of every file of the GGUF (one per split part), in order."""
+        return [f.reader for f in self._files]
+
+    @property
     def repacked(self) -> tuple[str, ...]:
         """Names of the tensors held in ggml's repacked layout (empty: every tensor is mapped)."""
         return tuple(self._repacked.tensors) if self._repacked else ()

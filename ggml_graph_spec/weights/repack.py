@@ -13,7 +13,6 @@ the exact path, --rpc and --mem-budget, which read the experts from the file.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import mmap
 import sys
@@ -109,16 +108,6 @@ def _alloc_in(buft: int, sources: list[Source], where: str) -> tuple[Any, Any, d
         raise GGUFError(f"{where}: cannot allocate {human_size(need)} for the repacked experts; "
                         "load without repack (the experts are then read from the mapped file)")
     return ctx, buffer, tensors
-
-
-def add_repack_arguments(p: argparse.ArgumentParser) -> None:
-    """The runner's --repack / -nr (llama.cpp's names); unset is None: the default below."""
-    p.add_argument("--repack", action="store_true", default=None,
-                   help="copy the routed experts into ggml's repacked MXFP4 layout (faster MoE matmuls, anonymous "
-                        "memory the size of the experts; fast path only). Default, as llama.cpp: on when the "
-                        "GGUF fits in memory and neither --exact-experts, --rpc nor --mem-budget is given")
-    p.add_argument("-nr", "--no-repack", dest="repack", action="store_false",
-                   help="keep every weight in the mapped file, no copy")
 
 
 def resolve_repack(repack: bool | None, *, exact: bool, rpc: bool, mem_budget: bool) -> bool | None:

@@ -3,7 +3,7 @@ is compiled in (the converter checks it, the runner renders with it).
 
 A checkpoint that ships a template (`chat_template.jinja`, or `chat_template` in
 tokenizer_config.json) keeps its own. K3 ships none: Moonshot renders chats in Python. For it the
-converter writes `K3_CHAT_TEMPLATE`, written here for K3's chat format (k3-spec.md E.4), so that
+converter writes `K3_CHAT_TEMPLATE`, written here for K3's chat format (docs/reference/gguf.md#tokenizer), so that
 llama.cpp-style runtimes find a template where they look for one.
 
 K3's format ("XTML"): every element is `<|open|>NAME attr="value"...<|sep|> body <|close|>NAME<|sep|>`,
@@ -15,8 +15,13 @@ starts with a system message of type `thinking-effort` naming the effort (`max` 
 generation prompt opens an assistant message and its first channel, which the model closes.
 
 The built-in template covers text conversations (system, user, assistant turns; `content` a
-string or a list of text parts; `reasoning_content` of past assistant turns); tool declarations,
-tool calls and images raise an error naming what is not supported, rather than being dropped.
+string or a list of parts; `reasoning_content` of past assistant turns) with images and clips: an
+`image` part (with the image's original `width` and `height`) or a `video` part becomes K3's media
+block as Moonshot's image processor writes it into the user's text,
+`<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>` (a clip:
+`<|media_begin|>video<|media_content|>...`), whose one `<|media_pad|>` the runtime replaces by the
+item's rows. Tool declarations, tool calls and other parts raise an error naming what is not
+supported, rather than being dropped.
 """
 from __future__ import annotations
 
@@ -44,8 +49,12 @@ K3_CHAT_TEMPLATE = r"""
 {%- elif content is string -%}{{ content }}
 {%- else -%}
 {%- for part in content -%}
-{%- if part.type != 'text' -%}{{ raise_exception('the built-in Kimi K3 template renders text parts only, not ' ~ part.type) }}{%- endif -%}
-{{ part.text }}
+{%- if part.type == 'text' -%}{{ part.text }}
+{%- elif part.type in ['image', 'video'] -%}
+{%- if part.type == 'image' and (part.width is not defined or part.height is not defined) -%}{{ raise_exception('an image part needs its width and height (the media block names the original size)') }}{%- endif -%}
+<|media_begin|>{{ 'video' if part.type == 'video' else 'image ' ~ part.width ~ 'x' ~ part.height }}<|media_content|><|media_pad|><|media_end|>
+{%- else -%}{{ raise_exception('the built-in Kimi K3 template renders text, image and video parts, not ' ~ part.type) }}
+{%- endif -%}
 {%- endfor -%}
 {%- endif -%}
 {%- endmacro -%}

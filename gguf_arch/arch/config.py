@@ -24,7 +24,7 @@ from .config_fields import (ANY, FIELDS, FLOAT, INDEX_FIELDS, INT, KDA, LIST, MX
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """K3.1-Pro lightning indexer (contract section 1)."""
+    """K3.1-Pro lightning indexer (docs/reference/config.md#k31-pro-indexer-fields)."""
 
     n_heads: int
     head_dim: int

@@ -1,5 +1,5 @@
-"""GGUF metadata of the `kimi-k3` architecture (k3-spec E.2) and the K3.1-Pro indexer keys
-(contract section 5), as one table that drives the writer and the reader.
+"""GGUF metadata of the `kimi-k3` architecture and the K3.1-Pro indexer keys (docs/reference/gguf.md,
+Keys and Indexer keys), as one table that drives the writer and the reader.
 
 Each row names a key and its GGUF type, and either the K3Config field it holds (written from that
 field, read back into it) or the value it derives from other fields (written, and on reading
@@ -97,7 +97,7 @@ ARCH_KEYS: tuple[Key, ...] = (
     Key("context_length", T.UINT32, "context_length"),
     Key("embedding_length", T.UINT32, "hidden_size"),
     Key("feed_forward_length", T.UINT32, "intermediate_size"),
-    # llama.cpp sizes the KDA heads from attention.head_count too (findings.md).
+    # llama.cpp sizes the KDA heads from attention.head_count too (docs/reference/findings.md#llamacpp-limits).
     Key("attention.head_count", T.UINT32, "num_heads", read=lambda v, _: {"num_heads": v, "kda.num_heads": v},
         holds=("num_heads", "kda.num_heads")),
     Key("attention.head_count_kv", T.ARRAY, derive=_head_count_kv, sub_type=T.UINT32, read=_layer_kinds,
@@ -143,7 +143,7 @@ DSA_KEYS: tuple[Key, ...] = (
 INDEXER_KEYS = tuple(k.full_name for k in DSA_KEYS)
 INDEXER_HEAD_COUNT, INDEXER_KEY_LENGTH, INDEXER_TOP_K, INDEXER_TYPES = INDEXER_KEYS
 # The first key this project wrote for the DSA layers (0-based ids, arr[u32]); replaced by
-# INDEXER_TYPES (contract section 5, revision 2026-12). Readers still accept a GGUF with only it.
+# INDEXER_TYPES (docs/reference/gguf.md#indexer-keys, revision 2026-12). Readers still accept a GGUF with only it.
 LEGACY_INDEXER_LAYERS = f"{ARCH}.attention.indexer.layers"
 
 # A GGUF made by kimi-k3-prune (arch/pruned.py): the checkpoint's expert count, and for every MoE

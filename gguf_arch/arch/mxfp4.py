@@ -1,4 +1,4 @@
-"""compressed-tensors `mxfp4-pack-quantized` <-> ggml `block_mxfp4`, as pure byte work (k3-spec C.2/C.3).
+"""compressed-tensors `mxfp4-pack-quantized` <-> ggml `block_mxfp4`, as pure byte work (docs/reference/mxfp4.md).
 
 Source, per expert matrix of logical shape [rows, cols]:
   weight_packed uint8 [rows, cols/2]: element 2i in the low nibble of byte i, 2i+1 in the high nibble;
@@ -43,8 +43,8 @@ def _codes(packed: np.ndarray) -> np.ndarray:
 # copying them as one 16-byte item instead of 16 strided bytes).
 _GGML_BLOCK = np.dtype({"names": ["e", "qs"], "formats": ["u1", "V16"], "offsets": [0, 1], "itemsize": BLOCK_BYTES})
 _LOW = np.uint64(0x0F0F0F0F0F0F0F0F)
-_HIGH = np.uint64(0xF0F0F0F0F0F0F0F0)
 _NIBBLE = np.uint64(4)
+_BYTE = np.uint16(8)
 # Blocks repacked per step: the temporaries (about 48 bytes a block, 1.5 MB) stay in the CPU cache
 # instead of being several copies of a 5.8 MB expert (measured: 2.1 GB/s, against 0.5 in one step).
 _BLOCKS_PER_STEP = 32768
@@ -56,9 +56,12 @@ def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     Source byte i of a block holds codes 2i (low nibble) and 2i+1 (high): codes 0..15 are in
     bytes 0..7 ("first"), codes 16..31 in bytes 8..15 ("second"). ggml wants qs[j] = code[j] |
     code[j+16] << 4, so qs[2i] = low(first[i]) | low(second[i]) << 4 and qs[2i+1] =
-    high(first[i]) >> 4 | high(second[i]). The nibbles of all 8 bytes of a half move at once as
-    one uint64; the two results are interleaved byte by byte by widening to uint16 (low byte
-    qs[2i], high byte qs[2i+1]). About 4x faster than the same on strided uint8 views.
+    high(first[i]) >> 4 | high(second[i]): the high nibbles of `first` trade places with the low
+    nibbles of `second`. That is one delta swap on all 8 bytes of a half at once, as one uint64:
+    t = (first >> 4 ^ second) & 0x0F..; even = first ^ t << 4 (qs[2i]); odd = second ^ t (qs[2i+1]),
+    each operation in place in buffers reused across steps. The two results are interleaved byte
+    by byte by widening to uint16 (low byte qs[2i], high byte qs[2i+1]). Measured here 0.35
+    CPU-s per GB against 0.45 for the same nibble moves as eight fresh temporaries.
     """
     rows, nblocks = _check_pair(packed, scale)
     n = rows * nblocks
@@ -66,13 +69,24 @@ def repack_to_ggml(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     out = np.empty(n, dtype=_GGML_BLOCK)
     out["e"] = np.ascontiguousarray(scale).reshape(n)
     qs_out = out["qs"]
-    for start in range(0, n, _BLOCKS_PER_STEP):
-        first, second = halves[start:start + _BLOCKS_PER_STEP, 0], halves[start:start + _BLOCKS_PER_STEP, 1]
-        even = (first & _LOW) | ((second & _LOW) << _NIBBLE)  # byte i: qs[2i]
-        odd = ((first >> _NIBBLE) & _LOW) | (second & _HIGH)  # byte i: qs[2i+1]
-        qs = even.view(np.uint8).astype(np.uint16)
-        qs |= odd.view(np.uint8).astype(np.uint16) << np.uint16(8)
-        qs_out[start:start + len(first)] = qs.view("V16").reshape(-1)
+    step = max(1, min(n, _BLOCKS_PER_STEP))
+    t, even = np.empty(step, np.uint64), np.empty(step, np.uint64)
+    qs, odd = np.empty((step, 8), np.uint16), np.empty((step, 8), np.uint16)
+    for start in range(0, n, step):
+        first, second = halves[start:start + step, 0], halves[start:start + step, 1]
+        k = len(first)
+        tk, ek, qk, ok = t[:k], even[:k], qs[:k], odd[:k]
+        np.right_shift(first, _NIBBLE, out=tk)
+        tk ^= second
+        tk &= _LOW
+        np.left_shift(tk, _NIBBLE, out=ek)
+        ek ^= first  # byte i: qs[2i]
+        tk ^= second  # byte i: qs[2i+1]
+        np.copyto(qk, ek.view(np.uint8).reshape(k, 8))
+        np.copyto(ok, tk.view(np.uint8).reshape(k, 8))
+        ok <<= _BYTE
+        qk |= ok
+        qs_out[start:start + k] = qk.view("V16").reshape(-1)
     return out.view(np.uint8).reshape(rows, nblocks * BLOCK_BYTES)
 
 

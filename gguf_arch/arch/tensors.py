@@ -113,8 +113,9 @@ class Source:
     name: str  # after TEXT_PREFIX; may contain {l} and {e}
     shape: Shape
     dtypes: frozenset  # what the converter accepts
-    # What the released K3 checkpoint stores (k3-spec.md B.6: five f32 families, u8 experts, the
-    # rest bf16); the synthetic checkpoints write it and listings without shards assume it.
+    # What the released K3 checkpoint stores (docs/reference/tensors.md#byte-accounting: five f32
+    # families, u8 experts, the rest bf16); the synthetic checkpoints write it and listings without
+    # shards assume it.
     stored: str = "BF16"
 
 
@@ -214,7 +215,7 @@ TABLE: tuple[TensorSpec, ...] = (
          shape=lambda c: (c.num_heads, c.v_head_dim, c.kv_lora_rank), transform="kv_b_v"),
     _row("mla", ATTN_GATE, _A + "g_proj.weight", lambda c: (c.num_heads * c.v_head_dim, _H(c))),
     _row("mla", ATTN_OUTPUT, _A + "o_proj.weight", lambda c: (_H(c), c.num_heads * c.v_head_dim)),
-    # ---- K3.1-Pro lightning indexer (contract section 5) -------------------------------------
+    # ---- K3.1-Pro lightning indexer (docs/reference/gguf.md#indexer-tensors) -------------
     _row("dsa", INDEXER_Q_B, _A + "indexer.wq_b.weight",
          lambda c: (c.indexer.n_heads * c.indexer.head_dim, c.q_lora_rank)),
     _row("dsa", INDEXER_K, _A + "indexer.wk.weight", lambda c: (c.indexer.head_dim, _H(c))),

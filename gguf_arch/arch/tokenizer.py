@@ -1,4 +1,4 @@
-"""Kimi K3's tiktoken tokenizer as GGUF `tokenizer.ggml.*` metadata (k3-spec E.4).
+"""Kimi K3's tiktoken tokenizer as GGUF `tokenizer.ggml.*` metadata (docs/reference/gguf.md#tokenizer).
 
 `tiktoken.model` (one `base64(token bytes) rank` per line) and `tokenizer_config.json` (the
 special-token block) are read directly: the checkpoint's own tokenizer code is never imported or
@@ -267,7 +267,8 @@ def tokenizer_metadata(model_dir: Path, cfg: K3Config) -> list[tuple[str, Any, T
         raise TokenizerError(f"config.json: eos_token_id {eos} is not a token of the vocabulary "
                              f"(ids 0..{cfg.vocab_size - 1}, unused slots excluded)")
     merges = [f"{bytes_to_token_text(a)} {bytes_to_token_text(b)}" for a, b in recover_merges(ranks)]
-    # K3 ends a turn with the config's eos (<|end_of_msg|>), not tokenizer_config's [EOS] (E.4).
+    # K3 ends a turn with the config's eos (<|end_of_msg|>), not tokenizer_config's [EOS]
+    # (docs/reference/gguf.md#tokenizer).
     ids = {**specials.named, "eos": eos}
     id_keys = {"bos": Keys.Tokenizer.BOS_ID, "eos": Keys.Tokenizer.EOS_ID,
                "pad": Keys.Tokenizer.PAD_ID, "unk": Keys.Tokenizer.UNK_ID}

@@ -1,4 +1,5 @@
-"""The K3 transforms (k3-spec E.3, contract section 5): source tensors -> the bytes of one GGUF tensor.
+"""The K3 transforms (docs/reference/gguf.md, Tensors and Indexer tensors): source tensors -> the bytes
+of one GGUF tensor.
 
 Each transform reads its sources through `read(name) -> (safetensors dtype, raw numpy view)` and
 yields the output tensor's bytes in order as bounded chunks. A same-precision copy yields slices of

@@ -1,4 +1,5 @@
-"""What a conversion would write, without converting: `--print-tensor-types` and `--dry-run`.
+"""What a conversion would write, without converting: `--print-tensor-types` and `--dry-run` (the
+text GGUF, and with `--mmproj` the mmproj: `mmproj_listing`).
 
 `listing_resolution` gives every output tensor's final type; `planned_files` / `plan_lines` the
 dry run: every output tensor (GGUF name, type, bytes) under the file it lands in, each file's
@@ -13,13 +14,16 @@ from typing import Iterable, NamedTuple
 
 from ..arch.config import K3Config, parse_config, read_config_json, text_section
 from ..arch.keys import ARCH, DRY_RUN_HEADER, dsa_key_lines, moe_key_lines
+from ..arch.mmproj import ARCH as MMPROJ_ARCH, plan_vision_tensors
 from ..arch.tensors import plan_tensors
 from ..arch.tokenizer import TIKTOKEN_FILE
+from ..arch.vision import VisionConfig, load_vision_config
 from ..errors import ConfigError
 from ..io.console import human_size
 from ..io.gguf_writer import GGUFLayout, padded
 from ..io.safetensors import TensorMeta, open_checkpoint, read_weight_map
 from ..io.split import SplitLimits
+from .mmproj import MmprojOptions, mmproj_metadata, plan_mmproj
 from .plan import check_source_count, gguf_metadata, plan_conversion, resolve_plan
 from .resume import OutputFile
 from .run import output_files
@@ -95,6 +99,30 @@ def planned_files(model_dir: Path, out: Path, *, dsa: bool = True, quant: QuantO
                      "tokenizer, is not counted)")
         files = [OutputFile(f.path, f.layout, sum(padded(t.nbytes) for t in f.layout.tensors)) for f in files]
     return files, notes
+
+
+def _vision_metas(model_dir: Path, vcfg: VisionConfig) -> tuple[dict[str, TensorMeta], str]:
+    """The vision tensors' metas: from the shard headers, or as config.json declares them."""
+    path, raw = read_config_json(model_dir)
+    wmap = read_weight_map(model_dir)
+    if any((model_dir / s).is_file() for s in set(wmap.values())):
+        with open_checkpoint(model_dir) as ckpt:
+            return dict(ckpt.metas), "source types from the shard headers"
+    dtype = _declared_dtype(path, raw)
+    shapes = {name: shape for pt in plan_vision_tensors(vcfg) for name, shape in pt.sources}
+    return ({n: TensorMeta(dtype, shapes.get(n, ())) for n in wmap},
+            f"source types as config.json declares them ({dtype.lower()}): no shard present")
+
+
+def mmproj_listing(model_dir: Path, mmproj: MmprojOptions, split: SplitLimits = SplitLimits(),
+                   ) -> tuple[Resolution, list[OutputFile], list[str]]:
+    """(the mmproj's tensor types, its files, notes): what `--mmproj` would write."""
+    vcfg, origin = load_vision_config(model_dir)
+    metas, source = _vision_metas(model_dir, vcfg)
+    plan = plan_mmproj(vcfg, metas)
+    types = resolve_plan(plan.outputs, mmproj.quant)
+    layout = GGUFLayout(MMPROJ_ARCH, tuple(mmproj_metadata(vcfg, model_dir)), final_outputs(types))
+    return types, output_files(mmproj.path, layout, split), [f"mmproj: {source}; {origin}", *types.log]
 
 
 def plan_lines(files: list[OutputFile], notes: list[str]) -> list[str]:

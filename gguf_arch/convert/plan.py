@@ -20,6 +20,7 @@ from ..arch.config import K3Config
 from ..arch.keys import FILE_TYPE_MXFP4_MOE, QUANTIZATION_VERSION, model_keys
 from ..arch.tensors import MXFP4_SUFFIXES, OUT_F32, OUT_MXFP4, PlannedTensor, is_skipped, plan_tensors
 from ..arch.tokenizer import tokenizer_metadata
+from ..arch.vision import VisionConfig
 from ..arch.transforms import SAME_BYTES
 from ..errors import CheckpointError
 from ..io.gguf_writer import KV, OutputTensor
@@ -63,7 +64,7 @@ class Ledger:
 
 @dataclass(frozen=True)
 class ConversionPlan:
-    cfg: K3Config  # as converted (without the indexer when DSA is off)
+    cfg: K3Config | VisionConfig  # as converted (without the indexer when DSA is off); an mmproj's: the tower's
     outputs: tuple[PlannedOutput, ...]
     ledger: Ledger
 
@@ -112,16 +113,14 @@ def check_source_count(cfg: K3Config, metas: Mapping[str, object]) -> None:
                           "(is num_experts, num_hidden_layers or a layer list larger than the checkpoint?)")
 
 
-def plan_conversion(cfg: K3Config, metas: Mapping[str, TensorMeta], dsa: bool = True) -> ConversionPlan:
-    """Match every checkpoint tensor against the table; CheckpointError names the first problem."""
-    dropped = _indexer_sources(cfg) if not dsa else set()
-    if not dsa:
-        cfg = cfg.without_indexer()
-    check_source_count(cfg, metas)
+def match_sources(planned: Iterable[PlannedTensor], metas: Mapping[str, TensorMeta],
+                  ) -> tuple[list[PlannedOutput], set[str], list[str]]:
+    """(outputs whose sources are all present, the source names consumed, the problems found): every
+    planned tensor's sources looked up with the shape and dtype the table expects."""
     problems: list[str] = []
     consumed: set[str] = set()
     outputs: list[PlannedOutput] = []
-    for pt in plan_tensors(cfg):
+    for pt in planned:
         present = [name for name, _ in pt.sources if name in metas]
         if not present and pt.spec.optional:
             continue
@@ -136,12 +135,26 @@ def plan_conversion(cfg: K3Config, metas: Mapping[str, TensorMeta], dsa: bool = 
                 problems.append(problem)
         if len(present) == len(pt.sources):
             outputs.append(_planned_output(pt, metas))
-    skipped = [n for n in metas if n not in consumed and (is_skipped(n) or n in dropped)]
-    unknown = [n for n in metas if n not in consumed and not (is_skipped(n) or n in dropped)]
-    problems = [_unknown_problem(n, cfg) for n in unknown] + problems
+    return outputs, consumed, problems
+
+
+def raise_first(problems: list[str]) -> None:
+    """CheckpointError naming the first problem and how many more there are (none: nothing)."""
     if problems:
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise CheckpointError(problems[0] + more)
+
+
+def plan_conversion(cfg: K3Config, metas: Mapping[str, TensorMeta], dsa: bool = True) -> ConversionPlan:
+    """Match every checkpoint tensor against the table; CheckpointError names the first problem."""
+    dropped = _indexer_sources(cfg) if not dsa else set()
+    if not dsa:
+        cfg = cfg.without_indexer()
+    check_source_count(cfg, metas)
+    outputs, consumed, problems = match_sources(plan_tensors(cfg), metas)
+    skipped = [n for n in metas if n not in consumed and (is_skipped(n) or n in dropped)]
+    unknown = [n for n in metas if n not in consumed and not (is_skipped(n) or n in dropped)]
+    raise_first([_unknown_problem(n, cfg) for n in unknown] + problems)
     return ConversionPlan(cfg, tuple(outputs), Ledger(len(consumed), len(skipped), len(outputs)))
 
 

@@ -1,7 +1,7 @@
 """Which output files a conversion still has to write: leftovers refused, or with --resume verified.
 
 Each output file (the GGUF, or each split part) is renamed into place only when complete, and its
-`<file>.sha256.json` manifest (gguf_arch.io.manifest) is written after it. So after a Ctrl-C, kill
+`<file>.manifest.json` manifest (gguf_arch.io.manifest) is written after it. So after a Ctrl-C, kill
 or power loss a file at its final name is a finished one, unless the run died between the two
 renames (no manifest) or the file was damaged since. `--resume` therefore trusts nothing: a file
 is kept only when its manifest describes exactly the planned file (size, header digest, every
@@ -14,13 +14,13 @@ checkpoint with the same config, tokenizer and tensor names would keep the earli
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..errors import OutputError
-from ..io.manifest import IntegrityError, check_hashes, manifest_path, read_manifest
+from ..io.digests import hash_bytes
+from ..io.manifest import IntegrityError, check_hashes, found_manifest_path, read_manifest
 from ..io.gguf_writer import GGUFLayout, file_size, header_bytes
 
 
@@ -35,7 +35,7 @@ class OutputFile:
         return cls(path, layout, file_size(layout))
 
 
-def _mismatch(f: OutputFile) -> str | None:
+def _mismatch(f: OutputFile, threads: int) -> str | None:
     """Why the file at f.path is not the finished planned file, or None when it is."""
     try:
         manifest = read_manifest(f.path)
@@ -44,19 +44,20 @@ def _mismatch(f: OutputFile) -> str | None:
     planned = [(t.name, t.ggml_type.name, t.nbytes) for t in f.layout.tensors]
     if manifest.gguf_size != f.size:
         return f"its manifest records {manifest.gguf_size} bytes, the plan needs {f.size}"
-    if manifest.header_sha256 != hashlib.sha256(header_bytes(f.layout)).hexdigest():
+    if manifest.header != hash_bytes(manifest.hash, header_bytes(f.layout)):
         return "its header (metadata or tensor list) differs from this conversion's"
     if [(d.name, d.ggml_type, d.nbytes) for d in manifest.tensors] != planned:
         return "its manifest lists other tensors than this conversion plans for it"
     try:
-        check_hashes(f.path, manifest)
+        check_hashes(f.path, manifest, threads=threads)
     except IntegrityError as exc:
         return str(exc)
     return None
 
 
-def files_to_write(files: list[OutputFile], log: Callable[[str], None]) -> list[OutputFile]:
-    """--resume: the files not verified as finished; each finished one is re-hashed, not trusted."""
+def files_to_write(files: list[OutputFile], log: Callable[[str], None], threads: int = 1) -> list[OutputFile]:
+    """--resume: the files not verified as finished; each finished one is re-hashed (on `threads`
+    cores), not trusted."""
     todo = []
     for f in files:
         if f.path.is_symlink():
@@ -64,9 +65,9 @@ def files_to_write(files: list[OutputFile], log: Callable[[str], None]) -> list[
         if not f.path.exists():
             todo.append(f)
             continue
-        why = _mismatch(f)
+        why = _mismatch(f, threads)
         if why is None:
-            log(f"{f.path}: finished earlier, verified against {manifest_path(f.path).name}; kept")
+            log(f"{f.path}: finished earlier, verified against {found_manifest_path(f.path).name}; kept")
         else:
             log(f"{f.path}: not a verified finished file ({why}); rewriting it")
             todo.append(f)

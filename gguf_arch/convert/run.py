@@ -1,16 +1,21 @@
-"""Run a conversion: plan it (`plan.py`), lay out the files, then stream every tensor once.
+"""Run a conversion: plan it (`plan.py`, the mmproj's `mmproj.py`), lay out the files, then stream
+every tensor once.
 
-Each output file is written whole (`.partial`, fsync, rename) and then its per-tensor SHA-256
-manifest; with --resume, files an interrupted run finished and verified are kept.
+Each output file is written whole (`.partial`, fsync, rename) and then its per-tensor BLAKE3
+manifest; with --resume, files an interrupted run finished and verified are kept. The text GGUF
+and the mmproj are planned and checked together, then written in one pass (text first).
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..arch.config import load_config
 from ..arch.keys import ARCH
+from ..arch.mmproj import ARCH as MMPROJ_ARCH
+from ..arch.vision import load_vision_config
 from ..arch.transforms import tensor_chunks
 from ..errors import Interrupted, KimiError
 from ..errors.signals import deferred
@@ -23,6 +28,7 @@ from ..io.safetensors import open_checkpoint
 from ..io.split import SplitLimits, split_layout
 from ..io.split_names import part_path
 from .finite import checked_chunks
+from .mmproj import MmprojOptions, mmproj_metadata, plan_mmproj
 from .plan import ConversionPlan, Ledger, gguf_metadata, plan_conversion, resolve_plan
 from .preflight import check_free_space
 from .progress import Progress
@@ -59,32 +65,34 @@ MAX_READ_AHEAD = 4
 MAX_REPACK_AHEAD = 8
 
 
-def claim_outputs(model_dir: Path, out: Path, files: list[OutputFile], todo: list[OutputFile] | None,
+def claim_outputs(model_dir: Path, targets: list[tuple[str, Path, list[OutputFile], list[OutputFile] | None]],
                   output: OutputOptions, replace: bool) -> OutputPaths:
-    """Every file this run writes, for the guard; `todo` None: the part names are not planned yet,
-    `files` then holds one name of the right length."""
+    """Every file this run writes, for the guard: per output (what it is, its path, its files, those
+    still to write); `todo` None: the part names are not planned yet, `files` then holds one name
+    of the right length."""
     guard = OutputPaths([(model_dir, "the model directory")])
-    to_write = {id(f) for f in todo or ()}
-    for f in files:
-        written = id(f) in to_write
-        guard.add_gguf(f.path, "the GGUF" if len(files) == 1 else f"part {f.path.name}", replace=replace,
-                       written=written or (todo is None and not output.split.splits))
+    for what, out, files, todo in targets:
+        to_write = {id(f) for f in todo or ()}
+        for f in files:
+            written = id(f) in to_write
+            guard.add_gguf(f.path, what if len(files) == 1 else f"part {f.path.name} of {what}", replace=replace,
+                           written=written or (todo is None and not output.split.splits))
+        guard.add(lock_path(out), f"the lock file of {what}", replace=True, written=False)  # taken over
     if output.log_json is not None:
         guard.add(output.log_json, "the JSON progress log (--log-json)", replace=replace)
     if output.export_rules is not None:
         guard.add(output.export_rules, "the llama-quantize rules (--export-quantize-rules)", replace=replace)
-    guard.add(lock_path(out), "the output's lock file", replace=True, written=False)  # taken over, not replaced
     return guard
 
 
 def conversion_layout(plan: ConversionPlan, kv: tuple[KV, ...], quant: QuantOptions,
-                      log: Callable[[str], None]) -> tuple[GGUFLayout, Resolution]:
+                      log: Callable[[str], None], arch: str = ARCH) -> tuple[GGUFLayout, Resolution]:
     """The whole output (before any split) with the final tensor types quant_rules picks."""
     # plan.outputs carry the contract types; quant_rules picks the final ones (and re-encodes).
     types = resolve_plan(plan.outputs, quant)
     for line in types.log:
         log(line)
-    return GGUFLayout(ARCH, kv, final_outputs(types)), types
+    return GGUFLayout(arch, kv, final_outputs(types)), types
 
 
 def output_files(out: Path, layout: GGUFLayout, split: SplitLimits) -> list[OutputFile]:
@@ -97,18 +105,18 @@ def _first_name(out: Path, split: SplitLimits) -> OutputFile:
     return OutputFile(part_path(out, 1, 1) if split.splits else out, empty, 0)
 
 
-def _write_files(files: list[OutputFile], source_chunks, progress: Progress, replace: bool, log,
-                 done: list[OutputFile]) -> None:
+def _write_files(files: list[OutputFile], source_chunks, progress: Progress, output: OutputOptions, replace: bool,
+                 log, done: list[OutputFile]) -> None:
     """Each file streamed, renamed into place, then its manifest; one file at a time."""
     for f in files:
-        with TensorHasher() as hasher:
+        with TensorHasher(output.threads) as hasher:
             chunks_for, close_bar = progress.track(f.path, f.layout, hasher.wrap(source_chunks))
             try:
                 write_gguf(f.path, f.layout, chunks_for, replace)
             finally:
                 close_bar()
             write_manifest(f.path, hasher.digests, replace)
-        done.append(f)
+            done.append(f)  # before the hashing thread is joined: a stop from here on sees it complete
         log(f"wrote {f.path}")
 
 
@@ -129,7 +137,28 @@ def plan_files(cfg, ckpt, model_dir: Path, out: Path, dsa: bool, quant: QuantOpt
         log("DSA disabled (--no-dsa): indexer keys and tensors left out, written as plain kimi-k3")
     layout, types = conversion_layout(plan, kv, quant, log)
     files = output_files(out, layout, output.split)
-    return _Planned(plan, types, files, files_to_write(files, log) if output.resume else files)
+    return _Planned(plan, types, files, files_to_write(files, log, output.threads) if output.resume else files)
+
+
+def plan_mmproj_files(ckpt, model_dir: Path, mmproj: MmprojOptions, output: OutputOptions, log) -> _Planned:
+    """The mmproj's plan, keys, types and files, as plan_files for the text model."""
+    vcfg, media_origin = load_vision_config(model_dir)
+    plan = plan_mmproj(vcfg, ckpt.metas)
+    log(f"mmproj: {plan.ledger.summary()}; {media_origin}")
+    layout, types = conversion_layout(plan, tuple(mmproj_metadata(vcfg, model_dir)), mmproj.quant, log, MMPROJ_ARCH)
+    files = output_files(mmproj.path, layout, output.split)
+    return _Planned(plan, types, files, files_to_write(files, log, output.threads) if output.resume else files)
+
+
+def _together(planned: list[_Planned]) -> _Planned:
+    """The text model's and the mmproj's plans as one run writes them: one progress, one log (the
+    first plan's config and ledger)."""
+    if len(planned) == 1:
+        return planned[0]
+    plans = [p.plan for p in planned]
+    return _Planned(ConversionPlan(plans[0].cfg, tuple(o for pl in plans for o in pl.outputs), plans[0].ledger),
+                    Resolution(tuple(d for p in planned for d in p.types.decisions), ()),
+                    [f for p in planned for f in p.files], [f for p in planned for f in p.todo])
 
 
 def source_chunks_for(p: _Planned, ckpt, output: OutputOptions, log) -> Callable[[OutputTensor], Iterator]:
@@ -154,7 +183,7 @@ def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> 
     done: list[OutputFile] = []
     try:
         with deferred():  # a stop signal waits for the next chunk or file (signals.deferred)
-            _write_files(p.todo, source_chunks, progress, replace, log, done)
+            _write_files(p.todo, source_chunks, progress, output, replace, log, done)
     except KeyboardInterrupt as exc:  # Interrupted too
         raise Interrupted.from_exc(exc, left_behind(p.files, p.todo, done)) from None
     finally:
@@ -162,26 +191,47 @@ def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> 
         progress.close()
 
 
-def convert(model_dir: Path | str, out: Path | str, *, overwrite: bool = False, dsa: bool = True,
+def _check_free_space(files: list[OutputFile]) -> None:
+    """Each output filesystem against the bytes this run writes on it."""
+    need: dict[int, list] = {}  # device -> [a directory on it, bytes]
+    for f in files:
+        entry = need.setdefault(f.path.parent.stat().st_dev, [f.path.parent, 0])
+        entry[1] += f.size
+    for directory, size in need.values():
+        check_free_space(directory, size)
+
+
+def convert(model_dir: Path | str, out: Path | str | None, *, overwrite: bool = False, dsa: bool = True,
             quant: QuantOptions = QuantOptions(), output: OutputOptions = OutputOptions(),
-            log: Callable[[str], None] = print) -> Ledger:
-    """Convert a checkpoint directory to one GGUF file (or split parts); returns the ledger counts."""
-    if names_a_directory(out):
-        raise KimiError(f"{out}: names a directory; give the GGUF a file name")
-    model_dir, out = Path(model_dir), Path(out)
+            log: Callable[[str], None] = print, mmproj: MmprojOptions | None = None) -> Ledger:
+    """Convert a checkpoint directory to one GGUF file (or split parts), and with `mmproj` its vision
+    tower and projector to an mmproj GGUF too (out None: the mmproj only). Both are planned before
+    either is written. Returns the text conversion's ledger counts (the mmproj's when out is None)."""
+    for what, given in (("the GGUF", out), ("the mmproj", mmproj and mmproj.path)):
+        if given is not None and names_a_directory(given):
+            raise KimiError(f"{given}: names a directory; give {what} a file name")
+    model_dir = Path(model_dir)
+    outs = ([("the GGUF", Path(out))] if out is not None else []) + \
+        ([("the mmproj", mmproj.path)] if mmproj is not None else [])
     replace = overwrite or output.resume
-    # Before the work of planning: the places and names, then the lock, then OUT itself when it
-    # is one file (the part names need the plan).
-    early = claim_outputs(model_dir, out, [_first_name(out, output.split)], None, output, replace)
+    # Before the work of planning: the places and names, then the locks, then each output itself
+    # when it is one file (the part names need the plan).
+    early = claim_outputs(model_dir, [(w, o, [_first_name(o, output.split)], None) for w, o in outs], output, replace)
     early.check(existing=False)
-    with output_lock(out):
+    with ExitStack() as locks:
+        for _, o in outs:
+            locks.enter_context(output_lock(o))
         early.check()
-        cfg = load_config(model_dir)
+        cfg = load_config(model_dir) if out is not None else None
         with open_checkpoint(model_dir, output.read_ahead) as ckpt:  # every shard there and as long as its header says
-            p = plan_files(cfg, ckpt, model_dir, out, dsa, quant, output, log)
-            claim_outputs(model_dir, out, p.files, p.todo, output, replace).check()
-            check_free_space(out.parent, sum(f.size for f in p.todo))
+            planned = [plan_files(cfg, ckpt, model_dir, Path(out), dsa, quant, output, log)] if out is not None else []
+            if mmproj is not None:
+                planned.append(plan_mmproj_files(ckpt, model_dir, mmproj, output, log))
+            claim_outputs(model_dir, [(w, o, p.files, p.todo) for (w, o), p in zip(outs, planned)], output,
+                          replace).check()
+            p = _together(planned)
+            _check_free_space(p.todo)
             if output.export_rules is not None:
-                log(write_quantize_rules(output.export_rules, p.types, replace))
+                log(write_quantize_rules(output.export_rules, planned[0].types, replace))
             _write_all(p, ckpt, output, replace, log)
     return p.plan.ledger

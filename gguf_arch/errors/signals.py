@@ -82,6 +82,7 @@ class _State:
         self.wakeup_r: int | None = None
         self.result: int | None = None  # FINISHED: the code run_cli returns (None while it prints its line)
         self.late: int | None = None  # a signal that came while run_cli was closing
+        self.stop_code: int | None = None  # a tool whose documented stop is not 128 + N (the server's 0)
 
 
 _STATE = _State()
@@ -115,6 +116,8 @@ def _end_on_signal(signum: int, what: str | None) -> NoReturn:
     if _STATE.at_stop is not None:
         with contextlib.suppress(Exception):
             extra = _STATE.at_stop()
+    if _STATE.stop_code is not None:  # a stop is that tool's normal end: its code, no error line
+        end_process(_STATE.stop_code, [*extra, f"stopping ({signal.Signals(signum).name})"])
     end_process(128 + signum, [*extra, interrupted_line(signum, what)])
 
 
@@ -233,14 +236,15 @@ def _standard_streams() -> None:
         sys.stdout.reconfigure(errors="surrogateescape")
 
 
-def install(what: str | None = None) -> None:
+def install(what: str | None = None, stop_code: int | None = None) -> None:
     """The first thing a console script's module does, before its heavy imports: from here on a
-    stop signal ends the process with the documented line and code. Not in a process that
-    imported the module for another purpose (a test runner calling main() in-process keeps its
-    own handlers; run_cli sets them around the body there)."""
+    stop signal ends the process with the documented line and code (`stop_code`: a tool whose
+    documented end on a stop signal is that code, the server's 0, with a `stopping (SIGNAME)`
+    line). Not in a process that imported the module for another purpose (a test runner calling
+    main() in-process keeps its own handlers; run_cli sets them around the body there)."""
     if _STATE.phase != IDLE or not _main_thread() or "pytest" in sys.modules:
         return
-    _STATE.phase, _STATE.what = STARTUP, what
+    _STATE.phase, _STATE.what, _STATE.stop_code = STARTUP, what, stop_code
     _standard_streams()  # first: the watcher's pipe must not take a closed stdout's descriptor
     _set_handlers()
     _start_watcher()

@@ -26,7 +26,8 @@ from typing import IO, Iterable
 from ..errors import KimiError, OutputError
 
 PARTIAL_SUFFIX = ".partial"
-MANIFEST_SUFFIX = ".sha256.json"
+MANIFEST_SUFFIX = ".manifest.json"
+LEGACY_MANIFEST_SUFFIX = ".sha256.json"  # manifests written before BLAKE3 (still read: io.manifest)
 
 
 def names_a_directory(path: Path | str) -> bool:
@@ -43,6 +44,11 @@ def partial_path(out: Path) -> Path:
 def manifest_path(gguf: Path | str) -> Path:
     gguf = Path(gguf)
     return gguf.with_name(gguf.name + MANIFEST_SUFFIX)
+
+
+def legacy_manifest_path(gguf: Path | str) -> Path:
+    gguf = Path(gguf)
+    return gguf.with_name(gguf.name + LEGACY_MANIFEST_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,12 @@ class OutputPaths:
         self.outputs.append(Output(Path(path), what, replace, written))
 
     def add_gguf(self, path: Path, what: str, *, replace: bool, written: bool = True) -> None:
-        """A GGUF and the three files that come with it."""
+        """A GGUF and the files that come with it (a version-1 manifest left under its old name
+        would describe an earlier file: it is replaced like the others)."""
         for p, w in ((path, what), (partial_path(path), f"{what}'s partial file"),
                      (manifest_path(path), f"{what}'s manifest"),
-                     (partial_path(manifest_path(path)), f"{what}'s partial manifest")):
+                     (partial_path(manifest_path(path)), f"{what}'s partial manifest"),
+                     (legacy_manifest_path(path), f"{what}'s earlier (SHA-256) manifest")):
             self.add(p, w, replace=replace, written=written)
 
     def check(self, *, existing: bool = True) -> None:

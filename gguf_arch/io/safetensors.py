@@ -17,6 +17,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ..errors import CheckpointError
 from .direct_io import DIRECT_READ_MIN, open_direct, pread_direct
 from .jsonfile import NotRegularFile, open_regular, read_json
 from .pipeline import ahead
+from .residency import Residency
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own limit on the JSON header; a larger length field means a corrupt file.
@@ -256,6 +258,9 @@ class Checkpoint:
     end a mapped read with SIGBUS; pread returns short and the read is a CheckpointError naming
     the shard. Memory stays bounded: a tensor up to WHOLE_BYTES is read whole, a larger one
     (the embeddings, the big projections) is a `ShardArray` its consumer reads in row ranges.
+    Reads from DIRECT_READ_MIN up go around the page cache (O_DIRECT), except a range the cache
+    holds whole, read through it (`residency`: a mapping only asked about, never read through,
+    so it cannot fault either).
 
     With `stamps`, each tensor read first re-stats its shard: a shard replaced, rewritten or
     resized since its header was read (a download still running, a second copy) is refused
@@ -270,21 +275,31 @@ class Checkpoint:
         self.stamps = stamps or {}
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}  # the same shards read around the page cache
+        self._residency: dict[str, Residency] = {}  # which of their ranges are cached: read through it
+        self._opening = threading.RLock()
 
     @property
     def metas(self) -> dict[str, TensorMeta]:
         return {name: e.meta for name, e in self.entries.items()}
 
     def _fd(self, shard: str) -> int:
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = open_regular(self.model_dir / shard)
-        return fd
+        with self._opening:
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = self._fds[shard] = open_regular(self.model_dir / shard)
+            return fd
 
-    def _direct_fd(self, shard: str) -> int | None:
-        if shard not in self._direct_fds:
-            self._direct_fds[shard] = open_direct(self._fd(shard), self.model_dir / shard)
-        return self._direct_fds[shard]
+    def _direct_fd(self, shard: str, offset: int, nbytes: int) -> int | None:
+        """The O_DIRECT descriptor for a large read, None for a small one or one the page cache
+        holds whole (`residency`: O_DIRECT would read those bytes from the device again)."""
+        if nbytes < DIRECT_READ_MIN:
+            return None
+        with self._opening:  # reads in flight on several threads may ask for a new shard at once
+            if shard not in self._residency:
+                self._direct_fds[shard] = open_direct(self._fd(shard), self.model_dir / shard)
+                self._residency[shard] = Residency(self._fd(shard))
+            direct, residency = self._direct_fds[shard], self._residency[shard]
+        return None if direct is None or residency.cached(offset, nbytes) else direct
 
     def read_range(self, e: TensorEntry, first: int, count: int) -> np.ndarray:
         """Elements [first, first + count) of the tensor, flat, in a new read-only array; a short
@@ -302,15 +317,17 @@ class Checkpoint:
         return buf
 
     def _read(self, shard: str, offset: int, count: int, dt: np.dtype) -> np.ndarray:
-        direct = self._direct_fd(shard) if count * dt.itemsize >= DIRECT_READ_MIN else None
+        direct = self._direct_fd(shard, offset, count * dt.itemsize)
         if direct is not None:
             try:
                 return np.frombuffer(pread_direct(direct, offset, count * dt.itemsize), dt)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._direct_fds[shard] = None  # accepted the flag, refuses the read: buffered from now on
-                os.close(direct)
+                with self._opening:  # accepted the flag, refuses the read: buffered from now on
+                    if self._direct_fds.get(shard) == direct:  # not already closed by another reader
+                        self._direct_fds[shard] = None
+                        os.close(direct)
         buf = np.empty(count, dtype=dt)
         _pread_into(self._fd(shard), buf, offset)
         return buf
@@ -341,11 +358,14 @@ class Checkpoint:
         return self.entries[name].meta.dtype, self.array(name)
 
     def close(self) -> None:
+        for residency in self._residency.values():
+            residency.close()
         for fd in [*self._fds.values(), *self._direct_fds.values()]:
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
         self._direct_fds.clear()
+        self._residency.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self

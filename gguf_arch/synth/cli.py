@@ -4,7 +4,8 @@ The output has what a released checkpoint has: the multimodal wrapper `config.js
 per decoder layer then one for the text globals, one for the projector and one for the vision
 tower (named `model-{i:05d}-of-{n:06d}.safetensors`, metadata {"format": "pt"}),
 `model.safetensors.index.json`, `tiktoken.model` and `tokenizer_config.json`. Text tensors carry
-the `language_model.` prefix; `vision_tower.*` / `mm_projector.*` are there to be skipped.
+the `language_model.` prefix; `vision_tower.*` / `mm_projector.*` (no prefix) are the vision
+table's sources (`arch.mmproj`), for an mmproj or for a text conversion to skip.
 
 The text tensors, their names and shapes come from the tensor table (`arch.tensors.plan_tensors`)
 for the config parsed back with `arch.config.parse_config`, so the generator cannot drift from what the
@@ -25,13 +26,15 @@ from pathlib import Path
 from typing import Iterator
 
 from ..arch.config import K3Config, parse_config
+from ..arch.mmproj import plan_vision_tensors
 from ..arch.tensors import plan_tensors
+from ..arch.vision import PUBLISHED_MEDIA, parse_vision_config
 from ..errors import OutputError, run_cli
 from ..io.console import ArgumentParser, human_size
 from ..io.output_paths import create
 from ..io.safetensors import INDEX_FILE
 from ..io.safetensors_write import StreamedTensor, write_safetensors
-from .config import DIMENSIONS, PRESETS, VARIANTS, build_config, vision_shapes
+from .config import DIMENSIONS, PRESETS, VARIANTS, build_config
 from .tokenizer import ranks_for_vocab, write_tokenizer
 from .weights import Init, default_init, init_for, tensor_chunks
 
@@ -91,9 +94,10 @@ def plan_checkpoint(dims: dict[str, int], variant: str, seed: int) -> Checkpoint
     groups: list[list[StreamedTensor]] = [[] for _ in range(n + 3)]
     for layer, tensor in _text_tensors(cfg, seed):
         groups[n if layer is None else layer].append(tensor)
-    projector, tower = vision_shapes(config["vision_config"])
-    for group, shapes in ((groups[n + 1], projector), (groups[n + 2], tower)):
-        group.extend(_streamed(seed, name, shape, default_init(shape), cfg) for name, shape in shapes.items())
+    vision = parse_vision_config(config, PUBLISHED_MEDIA, "synthetic config")
+    for name, shape in sorted(src for pt in plan_vision_tensors(vision) for src in pt.sources):
+        group = groups[n + 1] if name.startswith("mm_projector.") else groups[n + 2]
+        group.append(_streamed(seed, name, shape, default_init(shape), cfg))
     shards = tuple(Shard(shard_name(i + 1, len(groups)), tuple(g)) for i, g in enumerate(groups))
     return CheckpointPlan(config, cfg, shards, ranks_for_vocab(cfg.vocab_size))
 

@@ -125,8 +125,7 @@ _TEXT_BOILERPLATE: dict[str, Any] = {
 
 _KDA_BOILERPLATE: dict[str, Any] = {"gate_lower_bound": -5.0, "use_full_rank_gate": True}
 
-# The vision tower is skipped by a text converter; a small one is enough, only its text-side
-# width follows the text model.
+# The fixtures' tiny vision tower; only its text-side width follows the text model.
 _VISION: dict[str, Any] = {
     "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
     "init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8, "linear_bias": False,
@@ -180,24 +179,3 @@ def build_config(dims: dict[str, int], variant: str) -> dict[str, Any]:
         text.update(fields["index"], index_layers=list(full_layers))
     return {**_TOP_BOILERPLATE, **ids, "text_config": text,
             "vision_config": {**_VISION, "text_hidden_size": dims["hidden"]}}
-
-
-def vision_shapes(vision: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-    """(projector, vision tower) tensor shapes, torch order, for a config's vision_config."""
-    h, inner, qkv = vision["vt_hidden_size"], vision["vt_intermediate_size"], vision["qkv_hidden_size"]
-    merged = vision["mm_hidden_size"] * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
-    text = vision["text_hidden_size"]
-    projector = {"mm_projector.post_norm.weight": (text,), "mm_projector.proj.0.weight": (merged, merged),
-                 "mm_projector.proj.2.weight": (text, merged)}
-    tower: dict[str, tuple[int, ...]] = {}
-    for b in range(vision["vt_num_hidden_layers"]):
-        pre = f"vision_tower.encoder.blocks.{b}."
-        tower.update({pre + "mlp.fc0.weight": (inner, h), pre + "mlp.fc1.weight": (h, inner),
-                      pre + "norm0.weight": (h,), pre + "norm1.weight": (h,), pre + "wo.weight": (h, qkv),
-                      pre + "wqkv.weight": (3 * qkv, h)})
-    patch = vision["patch_size"]
-    tower.update({"vision_tower.encoder.final_layernorm.weight": (h,),
-                  "vision_tower.patch_embed.pos_emb.weight": (vision["init_pos_emb_height"],
-                                                              vision["init_pos_emb_width"], h),
-                  "vision_tower.patch_embed.proj.weight": (h, 3, patch, patch)})
-    return projector, tower

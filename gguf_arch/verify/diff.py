@@ -37,15 +37,16 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from ..arch.config import K3Config, load_config
+from ..arch.config import K3Config
 from ..arch.keys import ARCH, EXPERT_COUNT
 from ..arch.pruned import is_per_expert, read_kept, select_experts
-from ..arch.tensors import PlannedTensor, gguf_layer, plan_tensors
+from ..arch.tensors import PlannedTensor
 from ..errors import CheckpointError, KimiError, run_cli
 from ..io.console import ArgumentParser, task_bar
 from ..io.safetensors import Checkpoint, open_checkpoint
 from .bounds import BOUNDS
 from .gguf_rows import GGUFRows, releasing
+from .plans import ModelPlan, model_plan
 from .reference import REFERENCES, Chunk, Source, exact_type
 
 DIFFERENCES_EXIT = 1
@@ -269,23 +270,23 @@ def _in_scope(layer: int | None, chosen: set[int], include_globals: bool) -> boo
 def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
                       include_globals: bool = True, intended_types: Mapping[str, str] | None = None,
                       ) -> Iterator[TensorDiff]:
-    """Per tensor verdicts in file order, then the GGUF's unexpected tensors (stop early at will).
+    """Per tensor verdicts in file order, then the GGUF's unexpected tensors (stop early at will); an
+    mmproj against the checkpoint's vision tower (`plans.model_plan`), its blocks as the layers.
 
     `intended_types` (GGUF name -> GGML type name, e.g. from the quantization rules) makes any other
     type a `type` difference; without it every type with a known error bound is compared.
     """
-    model_dir, gguf_path = Path(model_dir), Path(gguf_path)
-    cfg = load_config(model_dir)
-    chosen = set(select_layers(cfg, layers))
+    mp = model_plan(model_dir, gguf_path)
+    chosen = set(select_layers(mp.cfg, layers))
     with open_checkpoint(model_dir) as ckpt:
-        yield from _diffs(ckpt, GGUFRows(gguf_path), cfg, chosen, include_globals, intended_types or {})
+        yield from _diffs(ckpt, GGUFRows(Path(gguf_path)), mp, chosen, include_globals, intended_types or {})
 
 
-def _diffs(ckpt: Checkpoint, gguf: GGUFRows, cfg: K3Config, chosen: set[int], include_globals: bool,
+def _diffs(ckpt: Checkpoint, gguf: GGUFRows, mp: ModelPlan, chosen: set[int], include_globals: bool,
            intended: Mapping[str, str]) -> Iterator[TensorDiff]:
-    kept = _pruned_experts(gguf, cfg)
+    cfg, kept = mp.cfg, {} if mp.is_mmproj else _pruned_experts(gguf, mp.cfg)
     expected: set[str] = set()
-    for plan in plan_tensors(cfg):
+    for plan in mp.tensors():
         if not _in_scope(plan.layer, chosen, include_globals):
             continue
         if plan.spec.optional and plan.sources[0][0] not in ckpt.entries:
@@ -297,7 +298,7 @@ def _diffs(ckpt: Checkpoint, gguf: GGUFRows, cfg: K3Config, chosen: set[int], in
             yield _diff_one(ckpt, gguf, cfg, plan, intended,
                             kept.get(plan.layer) if is_per_expert(plan.name, plan.layer) else None)
     for name, t in gguf.tensors.items():
-        layer = gguf_layer(name)
+        layer = mp.layer_of(name)
         in_scope = layer in chosen or (layer is None and include_globals) or (layer or 0) >= cfg.num_layers
         if in_scope and name not in expected:
             yield TensorDiff(name, layer, UNEXPECTED, "in the GGUF, not in the plan for this checkpoint",
@@ -307,7 +308,7 @@ def _diffs(ckpt: Checkpoint, gguf: GGUFRows, cfg: K3Config, chosen: set[int], in
 def diff_gguf(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int] | None = None,
               include_globals: bool = True, intended_types: Mapping[str, str] | None = None) -> DiffReport:
     """Compare every GGUF tensor of `layers` (None: all) and, if asked, the globals with the checkpoint."""
-    cfg = load_config(model_dir)
+    cfg = model_plan(model_dir, gguf_path).cfg
     report = DiffReport(str(model_dir), str(gguf_path), select_layers(cfg, layers))
     report.tensors.extend(iter_tensor_diffs(model_dir, gguf_path, report.layers, include_globals, intended_types))
     _compared_something(report, include_globals)
@@ -338,7 +339,7 @@ def _compared_something(report: DiffReport, include_globals: bool) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="kimi-k3-diff",
-        description="Compare a kimi-k3 GGUF tensor by tensor with the HF checkpoint it was converted from. "
+        description="Compare a kimi-k3 GGUF (or mmproj) tensor by tensor with the HF checkpoint it came from. "
                     "Exit 0: everything matches; 1: a difference; 2: bad input.")
     parser.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="HF checkpoint directory (config.json + safetensors shards)")
     parser.add_argument("gguf", type=Path, metavar="GGUF", help="the converted GGUF file")
@@ -351,9 +352,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    cfg = load_config(args.model_dir)
-    report = DiffReport(str(args.model_dir), str(args.gguf), select_layers(cfg, _parse_layers(args.layers)))
-    in_scope = [p for p in plan_tensors(cfg) if _in_scope(p.layer, set(report.layers), not args.no_globals)]
+    mp = model_plan(args.model_dir, args.gguf)
+    report = DiffReport(str(args.model_dir), str(args.gguf), select_layers(mp.cfg, _parse_layers(args.layers)))
+    in_scope = [p for p in mp.tensors() if _in_scope(p.layer, set(report.layers), not args.no_globals)]
     with task_bar("comparing", len(in_scope), enabled=sys.stderr.isatty()) as bar:
         for diff in iter_tensor_diffs(args.model_dir, args.gguf, report.layers, not args.no_globals):
             report.tensors.append(diff)

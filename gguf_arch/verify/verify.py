@@ -12,7 +12,7 @@ from typing import Callable
 
 from ..errors import GGUFError
 from ..io.gguf_file import open_gguf
-from ..io.console import task_bar
+from ..io.console import cpu_count, task_bar
 from ..io.jsonfile import NotRegularFile, open_regular
 from ..io.manifest import IntegrityError, Manifest, check_hashes, read_manifest
 from ..io.safetensors import open_checkpoint
@@ -61,10 +61,10 @@ def _checked_manifests(gguf: Path, bar: bool) -> dict[Path, Manifest]:
     """Every part's manifest, each part hashed against its own (the first before anything parses it)."""
     manifests = {gguf: read_manifest(gguf)}
     with task_bar("checking digests", manifests[gguf].gguf_size, enabled=bar, in_bytes=True) as progress:
-        check_hashes(gguf, manifests[gguf], progress.update)
+        check_hashes(gguf, manifests[gguf], progress.update, cpu_count())
         for part in part_paths(gguf, open_gguf(gguf))[1:]:
             _need_file(part, f"a part of the split {gguf}")
             manifests[part] = read_manifest(part)
             progress.total += manifests[part].gguf_size
-            check_hashes(part, manifests[part], progress.update)
+            check_hashes(part, manifests[part], progress.update, cpu_count())
     return manifests

@@ -116,3 +116,32 @@ def test_fuzz_scan_finds_the_first_non_finite_element(qtype, data):
         if per_unit.any():
             assert scan.first == int(np.argmax(per_unit)) * elems
     assert scan.bad_units == int(per_unit.sum())
+
+
+# Bit patterns of the largest finite value and of the smallest-magnitude non-finite ones (+inf,
+# -NaN) of each float type: the edges of the quick pass's masked-max comparison.
+_EDGES = {Q.F32: ("<u4", 0x7F7FFFFF, (0x7F800000, 0xFFC00001)), Q.F16: ("<u2", 0x7BFF, (0x7C00, 0xFE01)),
+          Q.BF16: ("<u2", 0x7F7F, (0x7F80, 0xFFC1))}
+
+
+@pytest.mark.parametrize("qtype", list(_EDGES))
+def test_one_bad_value_in_a_chunk_of_many_cache_slices(qtype):
+    """A chunk of several scan slices (1 MiB and a partial slice), every value the largest finite
+    one (or its negative), with one non-finite value placed at a slice's first or last element or
+    at the chunk's end: found at its index; none placed: none found."""
+    from gguf_arch.io.nonfinite import _SLICE_BYTES
+    dtype, finite, bad_values = _EDGES[qtype]
+    n = (4 * _SLICE_BYTES + 1000) // np.dtype(dtype).itemsize
+    per_slice = _SLICE_BYTES // np.dtype(dtype).itemsize
+    values = np.full(n, finite, dtype=dtype)
+    values[1::2] |= np.array(0x80000000 if dtype == "<u4" else 0x8000, dtype=dtype)  # negative
+    clean = NonFiniteScan(qtype)
+    clean.feed(values.tobytes())
+    assert clean.first is None and clean.bad_units == 0
+    for where in (0, per_slice - 1, per_slice, 3 * per_slice + 7, n - 1):
+        for bad in bad_values:
+            broken = values.copy()
+            broken[where] = bad
+            scan = NonFiniteScan(qtype)
+            scan.feed(broken.tobytes())
+            assert (scan.first, scan.bad_units) == (where, 1), (hex(bad), where)

@@ -147,7 +147,7 @@ def test_listing_modes_guard_the_rules_file(model, out_dir, mode):
 # ---- names that do not fit (class 7) ---------------------------------------------------------
 
 def test_a_name_whose_manifest_would_not_fit_is_refused_up_front(model, out_dir):
-    """255 bytes is NAME_MAX: OUT (240 bytes), OUT.partial and OUT.sha256.json fit, OUT.sha256.json.partial does not
+    """255 bytes is NAME_MAX: OUT (240 bytes), OUT.partial and OUT.manifest.json fit, OUT.manifest.json.partial does not
     (today a complete GGUF would be left without its manifest); found before any work."""
     out = out_dir / ("k" * 235 + ".gguf")
     _refused(2, model, out_dir, out, needles=("partial manifest", "the filesystem allows 255"))
@@ -155,7 +155,7 @@ def test_a_name_whose_manifest_would_not_fit_is_refused_up_front(model, out_dir)
 
 
 def test_a_stem_whose_part_names_would_not_fit_is_refused_up_front(model, out_dir):
-    out = out_dir / ("k" * 230 + ".gguf")  # fits alone; "-00001-of-00002.gguf.sha256.json.partial" does not
+    out = out_dir / ("k" * 230 + ".gguf")  # fits alone; "-00001-of-00002.gguf.manifest.json.partial" does not
     _refused(2, model, out_dir, out, "--split-max-tensors", "200", needles=("the filesystem allows 255",))
 
 

@@ -1,4 +1,4 @@
-"""Integrity: the <out>.sha256.json manifest and `convert_kimi_k3.py --verify OUT.gguf MODEL_DIR`.
+"""Integrity: the <out>.manifest.json manifest and `convert_kimi_k3.py --verify OUT.gguf MODEL_DIR`.
 
 A clean conversion verifies; any changed byte (tensor data or header), a truncated or replaced
 file, a missing or damaged manifest, or a GGUF that agrees with its manifest but not with the
@@ -6,11 +6,11 @@ checkpoint fails with exit 1 and one line naming the first difference.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
+import blake3
 import pytest
 from gguf import GGUFReader
 
@@ -20,6 +20,7 @@ from gguf_arch.synth.cli import plan_checkpoint, write_checkpoint
 from gguf_arch.synth.config import PRESETS
 
 from tests.support.cli import peak_rss_kib, run_cli
+from tests.support.manifests import write_legacy_manifest
 from tests.support.paths import FIXTURES
 
 PRO = FIXTURES / "k31pro-tiny"
@@ -67,9 +68,13 @@ def test_manifest_lists_every_tensor_in_file_order_with_its_digest(converted):
     assert [(d.name, d.ggml_type, d.nbytes) for d in m.tensors] == \
         [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors]
     for d, t in zip(m.tensors, reader.tensors):
-        assert d.sha256 == hashlib.sha256(t.data.tobytes()).hexdigest()
+        assert d.digest == blake3.blake3(t.data.tobytes()).hexdigest()
     assert m.gguf_size == converted.stat().st_size
-    assert json.loads(manifest_path(converted).read_text())["format"] == MANIFEST_FORMAT
+    start = min(t.data_offset for t in reader.tensors)
+    assert m.header == blake3.blake3(converted.read_bytes()[:start]).hexdigest()
+    doc = json.loads(manifest_path(converted).read_text())
+    assert (doc["format"], doc["version"], doc["hash"]) == (MANIFEST_FORMAT, 2, "blake3")
+    assert manifest_path(converted).name == "pro.gguf.manifest.json"
 
 
 def test_a_clean_conversion_verifies(converted, capsys):
@@ -84,14 +89,32 @@ def test_the_command_line_as_documented(converted):
     assert res.rc == 2 and "--verify takes OUT.gguf MODEL_DIR" in res.err
 
 
-def test_one_flipped_bit_in_a_tensor(converted, tmp_path, capsys):
-    gguf = _copy(converted, tmp_path)
+def _blake3_copy(converted: Path, tmp_path: Path) -> Path:
+    return _copy(converted, tmp_path)
+
+
+def _sha256_copy(converted: Path, tmp_path: Path) -> Path:
+    """The GGUF with only the manifest an earlier converter wrote for it (SHA-256, version 1)."""
+    gguf = tmp_path / "old.gguf"
+    shutil.copyfile(converted, gguf)
+    write_legacy_manifest(gguf)
+    return gguf
+
+
+MANIFESTS = pytest.mark.parametrize("copy, hash_name", [(_blake3_copy, "BLAKE3"), (_sha256_copy, "SHA256")],
+                                    ids=["blake3", "sha256-v1"])
+
+
+@MANIFESTS
+def test_one_flipped_bit_in_a_tensor(converted, tmp_path, capsys, copy, hash_name):
+    gguf = copy(converted, tmp_path)
     _flip(gguf, "blk.5.ffn_down_exps.weight", 1000, 1)
-    _fails(capsys, gguf, "tensor blk.5.ffn_down_exps.weight: SHA-256 differs")
+    _fails(capsys, gguf, f"tensor blk.5.ffn_down_exps.weight: {hash_name} digest differs")
 
 
-def test_a_changed_metadata_byte(converted, tmp_path, capsys):
-    gguf = _copy(converted, tmp_path)
+@MANIFESTS
+def test_a_changed_metadata_byte(converted, tmp_path, capsys, copy, hash_name):
+    gguf = copy(converted, tmp_path)
     reader = GGUFReader(gguf, "r+")
     part = reader.fields["general.name"].parts[-1]  # the string's bytes
     part[0] ^= 0x20
@@ -139,7 +162,7 @@ def test_consistent_with_its_manifest_but_not_with_the_checkpoint(converted, tmp
     t = next(t for t in GGUFReader(gguf).tensors if t.name == name)
     for row in doc["tensors"]:
         if row[0] == name:
-            row[3] = hashlib.sha256(t.data.tobytes()).hexdigest()
+            row[3] = blake3.blake3(t.data.tobytes()).hexdigest()
     manifest_path(gguf).write_text(json.dumps(doc))
     _fails(capsys, gguf, f"differs from {PRO}", name, "MISMATCH")
 
@@ -205,7 +228,7 @@ def test_a_flipped_bit_in_a_later_part(split, tmp_path, capsys):
     parts = _split_copy(split, tmp_path)
     name = GGUFReader(parts[2]).tensors[0].name
     _flip(parts[2], name, 0, 1)
-    _fails(capsys, parts[0], f"{parts[2]}: tensor {name}: SHA-256 differs")
+    _fails(capsys, parts[0], f"{parts[2]}: tensor {name}: BLAKE3 digest differs")
 
 
 def test_a_missing_part_or_part_manifest(split, tmp_path, capsys):
@@ -219,3 +242,46 @@ def test_a_missing_part_or_part_manifest(split, tmp_path, capsys):
 
 def test_a_later_part_is_not_a_starting_point(split, capsys):
     _fails(capsys, split[1], "give the first part", code=2)
+
+
+# ---- manifests written before BLAKE3 (version 1: SHA-256, <file>.sha256.json) ----------------
+
+def test_a_gguf_with_a_sha256_manifest_verifies(converted, tmp_path, capsys):
+    """The output bytes did not change with the hash: a SHA-256 manifest made from today's GGUF
+    by hashlib alone matches what the verifier recomputes."""
+    gguf = _sha256_copy(converted, tmp_path)
+    m = read_manifest(gguf)
+    assert m.hash == "sha256" and len(m.tensors) == len(read_manifest(converted).tensors)
+    rc, out, err = _verify(capsys, gguf)
+    assert rc == 0 and err == "", err
+    assert f"all {len(m.tensors)} tensors match" in out
+
+
+def test_the_blake3_manifest_is_read_when_both_are_there(converted, tmp_path, capsys):
+    """A stale version-1 manifest beside a current one is not what decides."""
+    gguf = _copy(converted, tmp_path)
+    legacy = write_legacy_manifest(gguf)
+    doc = json.loads(legacy.read_text())
+    doc["tensors"][0][3] = "0" * 64
+    legacy.write_text(json.dumps(doc))
+    assert read_manifest(gguf).hash == "blake3"
+    assert _verify(capsys, gguf)[0] == 0
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda doc: {**doc, "header_sha256": "z" * 64}, "not a complete sha256 manifest"),
+    (lambda doc: {**doc, "format": "kimi-k3-gguf-sha256/9"}, "not a kimi-k3-gguf-manifest manifest"),
+    (lambda doc: {**doc, "tensors": [[*doc["tensors"][0][:3], "0" * 64], *doc["tensors"][1:]]}, "SHA256 digest differs"),
+], ids=["bad-header-digest", "unknown-format", "wrong-digest"])
+def test_a_damaged_sha256_manifest(converted, tmp_path, capsys, damage, needle):
+    gguf = _sha256_copy(converted, tmp_path)
+    legacy = gguf.with_name(gguf.name + ".sha256.json")
+    legacy.write_text(json.dumps(damage(json.loads(legacy.read_text()))))
+    _fails(capsys, gguf, needle)
+
+
+@pytest.mark.parametrize("doc", [{"version": 3}, {"hash": "sha256"}, {"version": None}], ids=["v3", "v2-sha256", "no-version"])
+def test_a_manifest_of_an_unknown_version_is_refused(converted, tmp_path, capsys, doc):
+    gguf = _copy(converted, tmp_path)
+    manifest_path(gguf).write_text(json.dumps({**json.loads(manifest_path(gguf).read_text()), **doc}))
+    _fails(capsys, gguf, "this version reads version 2 (blake3) and 1 (sha256)")

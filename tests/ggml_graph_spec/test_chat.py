@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
-from ggml_graph_spec.runner.chat import ChatTemplate, Conversation, LineReader, ReplyFilter
-from ggml_graph_spec.generation.generate import Interrupt, StopRules, Timings
+from ggml_graph_spec.runner.chat import Conversation, LineReader
+from ggml_graph_spec.text.chat_template import ChatTemplate, ReplyFilter
+from ggml_graph_spec.generation.events import StopRules, Timings
+from ggml_graph_spec.runner.interrupt import Interrupt
 from ggml_graph_spec.engine.model import Model
 from ggml_graph_spec.generation.sampling import Sampler, SamplingParams
 from ggml_graph_spec.text.tokenizer import BPETokenizer
@@ -20,18 +22,18 @@ OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 
 
 class Recorded:
-    """A Model whose eval calls are recorded (tokens in, last logits out)."""
+    """A Model whose model calls for sequence 0 are recorded (tokens in, last logits out)."""
 
     def __init__(self, model: Model) -> None:
         self.model, self.calls, self.last = model, [], None
-        self._eval = model.eval
-        model.eval = self._record
+        self._decode = model.decode
+        model.decode = self._record
 
-    def _record(self, tokens):
-        logits = self._eval(tokens)
-        self.calls.append(list(tokens))
-        self.last = logits[-1]
-        return logits
+    def _record(self, batch, logits="last"):
+        out = self._decode(batch, logits)
+        self.calls.append([int(t) for t in dict(batch)[0]])
+        self.last = out[0] if logits == "last" else out[0][-1]
+        return out
 
 
 @pytest.fixture(scope="module")

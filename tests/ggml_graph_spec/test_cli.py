@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from gguf_arch.errors import EXIT_BAD_INPUT
-from ggml_graph_spec.runner.cli import main, parse_override_kv
+from ggml_graph_spec.runner.args import parse_override_kv
+from ggml_graph_spec.runner.cli import main
 from ggml_graph_spec.text.tokenizer import BPETokenizer
 from tests.support.paths import REPO
 

@@ -15,8 +15,9 @@ import pytest
 
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
 from gguf_arch.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
-from ggml_graph_spec.runner.chat import ChatTemplate, Conversation
-from ggml_graph_spec.generation.generate import StopRules, Timings
+from ggml_graph_spec.runner.chat import Conversation
+from ggml_graph_spec.text.chat_template import ChatTemplate
+from ggml_graph_spec.generation.events import StopRules, Timings
 from ggml_graph_spec.engine.model import Model
 from ggml_graph_spec.generation.sampling import Sampler, SamplingParams
 from ggml_graph_spec.text.tokenizer import BPETokenizer

@@ -1,5 +1,5 @@
 """Issue 5's DSA gates on the converted k31pro-tiny GGUF, exact path, against the fixture's
-reference (Moonshot's code plus the contract's indexer): top_k at or above the context is dense
+reference (Moonshot's code plus the indexer of docs/reference/dsa.md): top_k at or above the context is dense
 MLA to the bit, and the forced top_k 8 selects exactly the fixture's positions in every DSA layer
 (short and long prompt, prefill and token-by-token decode) and moves the logits as it does."""
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_gathered_equals_masked_on_the_fast_path(k31pro_f32_gguf, k31pro_tiny_di
 
 
 def test_unknown_dsa_path_is_a_one_line_error(k31pro_tiny_gguf):
-    with pytest.raises(EvalError, match="dsa_path must be one of masked, gather"):
+    with pytest.raises(EvalError, match=r"--dsa-path \(dsa_path\) must be one of masked, gather"):
         Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, dsa_path="sparse")
 
 

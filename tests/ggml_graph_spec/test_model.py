@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.convert.run import convert
 from ggml_graph_spec.engine.model import EvalError, Model
+from ggml_graph_spec.engine.options import OptionError
 from quant_rules.rules import QuantOptions
 
 from tests.support.reference import N_CTX, assert_greedy_matches, assert_logits, load_reference
@@ -77,7 +78,7 @@ def test_incremental_decode_equals_full_recompute(exact):
 
 def test_fast_path_stays_within_the_mxfp4_bound(fixture):
     """The fast path runs ggml's quantized kernels (MXFP4 experts with 8-bit activations, BF16
-    trunk matmuls with bf16-rounded activations). findings.md measured llama.cpp's same MXFP4
+    trunk matmuls with bf16-rounded activations). docs/reference/findings.md measured llama.cpp's same MXFP4
     path on k3-tiny at 1.55 (short) / 4.8 (long) max |logit diff| and 87/96 argmax; the random
     model amplifies the ~1% per-layer error over depth. The bounds leave ~1.5x headroom over
     those measurements while still failing any of the fixture's modelling mistakes of size >= 5
@@ -147,13 +148,16 @@ def test_bad_requests_are_one_line_errors(exact):
 
 
 def test_bad_load_options_are_one_line_errors(k3_tiny_gguf, k31pro_tiny_gguf):
-    with pytest.raises(EvalError, match="no DSA indexer"):
+    """Every load option is checked by LoadOptions, before any ggml object (engine/options.py)."""
+    with pytest.raises(OptionError, match="no DSA indexer"):
         Model.load(k3_tiny_gguf, n_ctx=N_CTX, top_k=8)
-    with pytest.raises(EvalError, match="top_k must be an integer >= 1"):
+    with pytest.raises(OptionError, match="top_k must be an integer >= 1"):
         Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, top_k=0)
-    with pytest.raises(EvalError, match="n_ctx must be in 1.."):
-        Model.load(k3_tiny_gguf, n_ctx=0)
-    with pytest.raises(EvalError, match="n_threads"):
+    with pytest.raises(OptionError, match=r"ctx-size \(n_ctx\) must be an integer >= 0"):
+        Model.load(k3_tiny_gguf, n_ctx=-1)
+    with pytest.raises(OptionError, match="exceeds the model's context length"):
+        Model.load(k3_tiny_gguf, n_ctx=10 ** 9)
+    with pytest.raises(OptionError, match=r"threads \(n_threads\) must be an integer >= 1"):
         Model.load(k3_tiny_gguf, n_ctx=N_CTX, n_threads=0)
 
 
@@ -192,5 +196,5 @@ def test_n_batch_splits_a_call_into_graphs_with_the_same_result(k31pro_tiny_gguf
     finally:
         whole.close()
         batched.close()
-    with pytest.raises(EvalError, match="n_batch"):
+    with pytest.raises(OptionError, match="n_batch"):
         Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, n_batch=0)

@@ -94,7 +94,7 @@ def test_each_layer_keeps_its_weights_and_state_on_its_device(k31pro_tiny_gguf, 
 
 
 @pytest.mark.parametrize("dsa, top_k, dsa_path", [
-    (True, None, "gather"), (True, 8, "gather"), (True, 8, "masked"), (False, None, "gather")])
+    (True, None, "gather"), (True, 8, "gather"), (True, 8, "masked"), (False, None, None)])
 def test_fast_path_over_three_servers_equals_the_local_fast_path(k31pro_tiny_gguf, servers, dsa, top_k, dsa_path):
     """Everything on the servers (this host's share 0: the output head runs on the last one)."""
     ids = np.load(REPO / "tests/fixtures/k31pro-tiny/reference.npz")["input_ids_long"]

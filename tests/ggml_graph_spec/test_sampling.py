@@ -75,3 +75,22 @@ def test_temperature_sharpens_and_flattens():
     assert cold > 0.9  # (0.4 / 0.3) ** 10 = 18: the best token dominates
     assert abs(neutral - 0.4) < 0.03  # temp 1 samples the model's own distribution
     assert hot < 0.3
+
+
+def test_presence_and_frequency_penalties_subtract_once_and_per_occurrence():
+    from ggml_graph_spec.generation.sampling import presence_frequency_penalty
+
+    logits = np.zeros(5, np.float32)
+    out = presence_frequency_penalty(logits, [1, 3, 3, 3], presence=0.5, frequency=0.25)
+    assert out.tolist() == [0.0, -0.75, 0.0, -1.25, 0.0]  # 0.5 + 0.25 x 1; 0.5 + 0.25 x 3
+    assert presence_frequency_penalty(logits, [1], 0.0, 0.0) is logits  # off: untouched
+
+
+def test_a_presence_penalty_moves_greedy_off_a_repeated_token():
+    # Token 1 is the best; once it is in the window a presence penalty larger than the gap to the
+    # runner-up (token 3) makes greedy take token 3, a smaller one does not.
+    gap = float(LOGITS[1] - LOGITS[3])
+    for presence, want in ((gap * 2, 3), (gap / 2, 1)):
+        s = Sampler(SamplingParams(temp=0.0, presence_penalty=presence))
+        s.accept([1])
+        assert s(LOGITS) == want

@@ -73,8 +73,8 @@ def test_threads_beyond_the_cpus_are_capped_with_a_note(k3_tiny_gguf):
     import os
     cpus = len(os.sched_getaffinity(0))
     prelude = ("import ggml_graph_spec.engine.model as mm\nreal = mm.Model.__init__\n"
-               "def init(self, *a, **k):\n    print('threads', k['n_threads'], file=sys.stderr)\n"
-               "    real(self, *a, **k)\nmm.Model.__init__ = init\n")
+               "def init(self, weights, options):\n    print('threads', options.n_threads, file=sys.stderr)\n"
+               "    real(self, weights, options)\nmm.Model.__init__ = init\n")
     res = run_tool("cli", "-m", k3_tiny_gguf, "-p", "hi", "-n", "1", "-c", "64", "--temp", "0", "-t", "1000",
                    prelude=prelude)
     assert res.rc == 0, res.err

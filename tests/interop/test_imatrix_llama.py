@@ -75,7 +75,7 @@ def test_imatrix_equals_llama_imatrix_on_the_f32_gguf(k31pro_f32_no_dsa_gguf, tm
 
 def test_imatrix_layout_equals_llama_imatrix_on_the_mxfp4_gguf(k31pro_no_dsa_gguf, tmp_path):
     """The default GGUF (MXFP4 experts, BF16 matrices): both runtimes round activations inside
-    their quantized matmuls (findings.md), so routing drifts apart with depth; the file layout is
+    their quantized matmuls (docs/reference/findings.md), so routing drifts apart with depth; the file layout is
     the same, and the first layer's inputs, computed before any such matmul, agree to the bound."""
     ours, theirs = _both(k31pro_no_dsa_gguf, tmp_path)
     _same_layout(ours, theirs)

@@ -103,7 +103,7 @@ def test_plain_kimi_k3_ggufs_load_and_run(tmp_path, k3_tiny_gguf, k31pro_no_dsa_
 
 def test_k31pro_gguf_with_the_indexer_is_refused(tmp_path, k31pro_tiny_gguf):
     # llama.cpp 0.3.36's kimi-k3 loader has no DSA: the 16 indexer tensors (4 per DSA layer) are
-    # more than it expects. This is the message the README quotes.
+    # more than it expects. This is the message docs/runtimes.md quotes.
     failed = llama_run(k31pro_tiny_gguf, [], tmp_path)
     assert isinstance(failed, LoadFailure)
     assert failed.message == f"Failed to load model from file: {k31pro_tiny_gguf}"
@@ -213,7 +213,7 @@ def test_logits_agree_with_our_fast_path_position_by_position(llama_mxfp4, ours_
     # agree: the argmax at each position (measured 12/12 and 94/96 on AVX512-BF16, 12/12 and 93/96
     # on AVX2; 11/12 on AVX512-BF16 before our fast path matched llama.cpp's graph) and the greedy
     # tokens (test above). The bound for the long prompt is how well llama.cpp's fast path agrees
-    # with the reference (87/96, findings.md): two approximations of one model should agree at
+    # with the reference (87/96, docs/reference/findings.md): two approximations of one model should agree at
     # least that well.
     for prompt, min_agree in (("short", 1.0), ("long", 87 / 96)):
         assert (ours_fast[prompt].argmax(1) == llama_mxfp4[prompt].argmax(1)).mean() >= min_agree

@@ -64,7 +64,7 @@ def test_the_prompt_tokenizes_to_the_reference_ids(k31pro_no_dsa_gguf, k3_ref, p
 def test_llama_cli_with_the_exact_settings_prints_the_reference_tokens(k31pro_no_dsa_f32_gguf, k3_ref, prompt,
                                                                        tmp_path):
     # F32 experts and matrices (nothing for ggml to round the activations to), F32 cache, flash
-    # attention off: llama.cpp agrees with the reference to its fp32 noise (findings.md), and so
+    # attention off: llama.cpp agrees with the reference to its fp32 noise (docs/reference/findings.md), and so
     # does our exact path (tests/interop/test_llama_cpp.py).
     got = llama_cli(k31pro_no_dsa_f32_gguf, prompt, N_GREEDY, tmp_path, "-c", "128", "-ctk", "f32", "-ctv", "f32",
                     "-fa", "off")
@@ -81,7 +81,7 @@ def test_llama_cli_defaults_on_the_f32_gguf_print_our_fast_paths_tokens(k31pro_n
 
 def test_llama_cli_prints_our_fast_paths_tokens_on_the_gguf_as_converted(k31pro_no_dsa_gguf, prompt, tmp_path):
     """MXFP4 experts, BF16 matrices, both runtimes' defaults: the same kernels, the same tokens
-    (on AVX512-BF16 CPUs since the fast path rounds as llama.cpp does there; findings.md, "Fast
+    (on AVX512-BF16 CPUs since the fast path rounds as llama.cpp does there; docs/reference/findings.md, "Fast
     path vs llama.cpp on an AVX512-BF16 CPU")."""
     got = llama_cli(k31pro_no_dsa_gguf, prompt, N_GREEDY, tmp_path, "-c", "128")
     assert got == _text(k31pro_no_dsa_gguf, _greedy(k31pro_no_dsa_gguf, prompt, exact=False))

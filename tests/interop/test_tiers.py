@@ -1,6 +1,6 @@
-"""Every tier of the README's tier table (bench/results/tiers.json, written by bench/tiers.py) is
-made again here with the bench's own recipe and loads and runs in our graph, fast and exact
-path, and in llama-cli. The tiers are every type kimi-k3-quantize offers, so this is also the
+"""Every tier of the tier table in docs/bench/tiers.md (bench/results/tiers.json, written by
+bench/tiers.py) is made again here with the bench's own recipe and loads and runs in our graph,
+fast and exact path, and in llama-cli. The tiers are every type kimi-k3-quantize offers, so this is also the
 proof that the graph runs every type that tool writes.
 
 The importance matrix here covers two chunks of the calibration text, not the bench's six: what

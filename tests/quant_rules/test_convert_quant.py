@@ -116,7 +116,7 @@ def test_print_tensor_types_on_the_real_k31pro_plan(k31pro_real_plan, tmp_path, 
 def test_output_is_required_unless_printing(k31pro_tiny_dir, capsys):
     assert convert_kimi_k3.main([str(k31pro_tiny_dir)]) == 2
     assert capsys.readouterr().err == ("error: the output file OUT (or --outfile OUT) is required unless "
-                                       "--print-tensor-types is given (see convert-kimi-k3 --help)\n")
+                                       "--print-tensor-types or --mmproj-only is given (see convert-kimi-k3 --help)\n")
     assert convert_kimi_k3.main([str(k31pro_tiny_dir), "--print-tensor-types", "--tensor-type", "attn_q"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "error: --tensor-type: malformed rule 'attn_q' (expected PATTERN=TYPE)"

@@ -6,6 +6,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.arch.config import load_config
+from gguf_arch.arch.mmproj import plan_vision_tensors
+from gguf_arch.arch.vision import load_vision_config
 from gguf_arch.convert.plan import plan_conversion
 from gguf_arch.errors import EXIT_BAD_INPUT
 from gguf_arch.io.safetensors import open_checkpoint
@@ -45,7 +47,7 @@ def test_protected_tensors_keep_contract_types(tiny, case):
     indexer = [d for d in res.decisions if d.name.endswith(INDEXER_PROJECTIONS)]
     assert len(indexer) == 3 * 4  # 4 DSA layers in the fixture
     for d in indexer:
-        want = Q.F32 if d.name.endswith("indexer.proj.weight") else Q.BF16  # contract section 5
+        want = Q.F32 if d.name.endswith("indexer.proj.weight") else Q.BF16  # docs/reference/gguf.md#indexer-tensors
         assert d.final_type == want and d.rule.startswith("protected: indexer-"), d
 
 
@@ -137,17 +139,22 @@ def test_fallback_is_f16_or_f32_with_a_log_line():
                        "of the q8_0 block size 32")
 
 
+def _both_plans(model_dir):
+    """The text GGUF's tensors and the mmproj's."""
+    return [*plan_tensors(load_config(model_dir)), *plan_vision_tensors(load_vision_config(model_dir)[0])]
+
+
 def test_every_f32_contract_tensor_is_protected(k31pro_tiny_dir):
-    """The table's forced-F32 tensors and the protected set agree: no option can move one."""
+    """The tables' forced-F32 tensors (the mmproj's too) and the protected set agree: no option can move one."""
     prot = load_protected_set()
-    for pt in plan_tensors(load_config(k31pro_tiny_dir)):
+    for pt in _both_plans(k31pro_tiny_dir):
         if pt.spec.out == OUT_F32:
             assert prot.rule_for(pt.name) is not None, pt.name
 
 
 def test_every_protected_rule_and_named_tensor_exists_in_the_plan(k31pro_tiny_dir):
     prot = load_protected_set()
-    names = [pt.name for pt in plan_tensors(load_config(k31pro_tiny_dir))]
+    names = [pt.name for pt in _both_plans(k31pro_tiny_dir)]
     for rule in prot.rules:
         assert any(rule.matches(n) for n in names), rule.name
     assert prot.token_embedding in names and prot.output in names

@@ -1,5 +1,6 @@
-"""The table's stored dtype per source (k3-spec.md B.6): it matches the fixtures' shard headers, and
-a listing without shards takes it where config.json's dtype does not cover the tensor."""
+"""The table's stored dtype per source (docs/reference/tensors.md#byte-accounting): it matches the
+fixtures' shard headers, and a listing without shards takes it where config.json's dtype does not
+cover the tensor."""
 from __future__ import annotations
 
 import json

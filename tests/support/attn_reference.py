@@ -1,6 +1,7 @@
-"""Numpy references (float64) of the gated NoPE MLA (k3-spec D.3, the un-absorbed form, so the
-graph's absorbed form is checked against the spec's own) and of the K3.1-Pro indexer and its
-selection (contract section 3), on weights in GGUF layout (numpy order of gguf_arch's table)."""
+"""Numpy references (float64) of the gated NoPE MLA (docs/reference/forward.md#mla, the un-absorbed
+form, so the graph's absorbed form is checked against the reference's own) and of the K3.1-Pro
+indexer and its selection (docs/reference/dsa.md#indexer-math), on weights in GGUF layout (numpy
+order of gguf_arch's table)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -49,8 +50,9 @@ def q_lora_latent(W: dict, x: np.ndarray, eps: float = LATENT_EPS) -> np.ndarray
 
 
 def mla(cfg: K3Config, W: dict, x: np.ndarray, mask: np.ndarray, latent_eps: float = LATENT_EPS) -> np.ndarray:
-    """Spec D.3 for one sequence whose cache holds exactly the rows of x: x [T, n_embd], mask
-    [T, T] (0 / -inf, added after the scale) -> [T, n_embd]. latent_eps: the q_a / kv_a norms'."""
+    """docs/reference/forward.md#mla for one sequence whose cache holds exactly the rows of x:
+    x [T, n_embd], mask [T, T] (0 / -inf, added after the scale) -> [T, n_embd]. latent_eps: the
+    q_a / kv_a norms'."""
     W = {k: v.astype(np.float64) for k, v in W.items()}
     x = x.astype(np.float64)
     T, H, nope, v_dim, r = x.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank

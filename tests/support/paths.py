@@ -12,6 +12,7 @@ FIXTURES = REPO / "tests" / "fixtures"
 K3_TINY = FIXTURES / "k3-tiny"
 K31PRO_TINY = FIXTURES / "k31pro-tiny"
 REFERENCE = FIXTURES / "reference"
+VISION = K31PRO_TINY / "vision"  # the vision path's reference outputs (vision_reference.npz, the images)
 PROSE = FIXTURES / "text" / "prose.txt"  # calibration texts with two tags (prose, code)
 CODE = FIXTURES / "text" / "code.txt"
 TEXT = FIXTURES / "text" / "lighthouse.txt"  # prose for perplexity and importance matrices

@@ -1,5 +1,5 @@
-"""The real K3.1-Pro plan without weights: the reference K3 config and index plus the contract's
-indexer fields and tensors (k31pro-format.md sections 1-2)."""
+"""The real K3.1-Pro plan without weights: the reference K3 config and index plus the K3.1-Pro
+indexer fields and tensors (docs/reference/config.md, docs/reference/tensors.md#indexer-tensors)."""
 from __future__ import annotations
 
 import gzip

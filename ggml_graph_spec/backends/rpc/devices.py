@@ -29,8 +29,9 @@ from gguf_arch.io.console import human_size, task_bar
 from ...graph.cache import SequenceCache
 from ...weights.loader import GGUFWeights
 from ...graph.placement import INPUT_SEGMENT, Placement, layer_ranges, parse_tensor_split
-from .wire import (Connection, Endpoint, EndpointError, RpcError, RpcTargets, SizedHere, check_alive, guard, handshake,
-                   parse_endpoints, rpc_timeout, unguard)
+from .relay import DEFAULT_TIMEOUT_S
+from .wire import (Connection, Endpoint, EndpointError, RpcError, SizedHere, check_alive, guard, handshake,
+                   parse_endpoints, unguard)
 from ..sched import SchedExecutor
 
 UPLOAD_CHUNK_BYTES = 64 << 20
@@ -107,18 +108,18 @@ class Devices:
         self._compute_types: list[SizedHere] = []  # the scheduler's buffer types: live as long as it
 
     @classmethod
-    def connect(cls, weights: GGUFWeights, rpc: str | Sequence[str] | RpcTargets, *,
+    def connect(cls, weights: GGUFWeights, rpc: str | Sequence[str], *,
                 tensor_split: str | Sequence[float] | None = None, n_threads: int, progress: bool = False,
-                timeout: float | None = None) -> "Devices":
+                timeout: float = DEFAULT_TIMEOUT_S) -> "Devices":
         """Handshake with every server, place the layers, upload the servers' weights. `timeout`:
-        the longest wait for a server's reply (default: an RpcTargets' own, else DEFAULT_TIMEOUT_S)."""
+        the longest wait for any one reply of a server (--rpc-timeout)."""
         if not ggml.GGML_USE_RPC:
             raise RuntimeError("this ggml-python was built without RPC (rebuild it with CMAKE_ARGS=-DGGML_RPC=ON)")
         endpoints = parse_endpoints(rpc)
         names = [f"RPC{i}[{ep}]" for i, ep in enumerate(endpoints)] + ["CPU"]
         shares = None if tensor_split is None else parse_tensor_split(
             tensor_split if isinstance(tensor_split, str) else ",".join(map(str, tensor_split)), len(names))
-        connections = _reach(endpoints, rpc_timeout(rpc) if timeout is None else timeout)
+        connections = _reach(endpoints, timeout)
         try:
             if shares is None:
                 shares = (*(_server_memory(c.ggml_endpoint) for c in connections), _cpu_memory())

@@ -23,7 +23,6 @@ already knows (allocation sizes).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import socket
 import struct
@@ -65,38 +64,8 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
 
-@dataclass(frozen=True)
-class RpcTargets:
-    """--rpc and --rpc-timeout together: what Model.load's `rpc` may be instead of the endpoints
-    alone (those wait DEFAULT_TIMEOUT_S on a reply)."""
-
-    endpoints: str | tuple[str, ...]
-    timeout: float = DEFAULT_TIMEOUT_S
-
-    def __bool__(self) -> bool:
-        return bool(self.endpoints)
-
-
-def add_rpc_arguments(p: argparse.ArgumentParser) -> None:
-    """--rpc, --rpc-timeout and -ts, as kimi-k3-cli takes them."""
-    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
-                   help="spread the layers over these ggml RPC servers (started with kimi-k3-rpc-server) and "
-                        "this host")
-    p.add_argument("--rpc-timeout", metavar="S", type=float, default=None,
-                   help=f"with --rpc: the longest wait for any one reply of a server, its graph's computation "
-                        f"included, in seconds (default {DEFAULT_TIMEOUT_S:g}); past it the run ends with exit 1")
-    p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
-                   help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
-                        "(missing values are 0; default: each one's free memory)")
-
-
-def rpc_timeout(spec: "str | Sequence[str] | RpcTargets") -> float:
-    return spec.timeout if isinstance(spec, RpcTargets) else DEFAULT_TIMEOUT_S
-
-
-def parse_endpoints(spec: "str | Sequence[str] | RpcTargets") -> list[Endpoint]:
+def parse_endpoints(spec: str | Sequence[str]) -> list[Endpoint]:
     """`HOST:PORT[,HOST:PORT...]` (or a list of HOST:PORT) -> endpoints, each at most once."""
-    spec = spec.endpoints if isinstance(spec, RpcTargets) else spec
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[Endpoint] = []
     for item in items:

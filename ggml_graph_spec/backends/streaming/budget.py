@@ -12,7 +12,6 @@ is pinned whole.
 """
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass, replace
 
@@ -35,13 +34,6 @@ N_SLOTS = 2
 
 class BudgetError(KimiError):
     """A memory budget that cannot be parsed or is too small for the model."""
-
-
-def add_budget_argument(p: argparse.ArgumentParser) -> None:
-    """The runner's --mem-budget option (parsed by Model.load: parse_size)."""
-    p.add_argument("--mem-budget", metavar="SIZE", default=None,
-                   help=f"keep at most SIZE resident (512M, 8G, or {', '.join(PRESETS)}); layers that do not "
-                        "fit are read from the file per token")
 
 
 def parse_size(text: str | int) -> int:

@@ -1,4 +1,4 @@
-"""Each block builder against a numpy transcription of k3-spec D on small random weights.
+"""Each block builder against a numpy transcription of docs/reference/forward.md on small random weights.
 
 The shapes come from the k3-tiny config through the tensor table, so the blocks see exactly
 the GGUF layouts (ssm_a = -exp(A_log), conv weights (1, P, 1, K), MXFP4 expert stacks).
@@ -107,7 +107,7 @@ def _close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> None:
     assert np.abs(got - want).max() <= rtol * scale, f"max |diff| {np.abs(got - want).max():.3g}, scale {scale:.3g}"
 
 
-# ---- numpy references (k3-spec D) -------------------------------------------------------------
+# ---- numpy references (docs/reference/forward.md) ---------------------------------------------
 
 def np_sigmoid(x):
     return 1 / (1 + np.exp(-x))
@@ -254,7 +254,7 @@ def test_attn_res_mixes_raw_values_by_normed_scores(cfg, exe):
 @pytest.mark.parametrize("exact", [True, False])
 def test_latent_moe(cfg, exe, exact):
     """Exact path: numpy with the dequantized experts to F32 noise. Fast path: ggml's MXFP4
-    kernel quantizes the activations to 8 bits (findings.md: ~1% per layer), bound 3%."""
+    kernel quantizes the activations to 8 bits (docs/reference/findings.md: ~1% per layer), bound 3%."""
     layer = cfg.moe_layers[0]
     L = RandomLayer(cfg, layer, exe, seed=4)
     cache = SequenceCache(cfg, exe.backend, n_ctx=16, exact=exact, with_indexer=False)

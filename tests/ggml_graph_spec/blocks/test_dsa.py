@@ -1,5 +1,5 @@
 """The K3.1-Pro indexer and its masked sparse-flash path against numpy references of the contract
-(k31pro-format.md section 3): scores, the tie-exact top-k selection, the mask, DSA attention."""
+(docs/reference/dsa.md#indexer-math): scores, the tie-exact top-k selection, the mask, DSA attention."""
 from __future__ import annotations
 
 import ggml

@@ -100,11 +100,24 @@ def test_the_effort_is_named_and_checked():
 @pytest.mark.parametrize("messages, message", [
     ([{"role": "tool", "content": "x"}], "no role tool"),
     ([{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "no tool calls"),
-    ([{"role": "user", "content": [{"type": "image"}]}], "text parts only, not image"),
+    ([{"role": "user", "content": [{"type": "image"}]}], "an image part needs its width and height"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], "text, image and video parts, not audio"),
 ])
 def test_what_the_built_in_template_does_not_render_is_an_error(messages, message):
     with pytest.raises(Exception, match=message):
         _render(messages)
+
+
+def test_image_and_video_parts_are_k3s_media_blocks_in_place(tokenizer):
+    """The block Moonshot's image processor writes for an image (its original size) or a clip, at
+    the part's place among the text parts; one <|media_pad|> per item, tokenized as the special."""
+    content = [{"type": "image", "width": 48, "height": 32}, {"type": "text", "text": "and"},
+               {"type": "video", "frames": 2, "width": 32, "height": 24}, {"type": "text", "text": "show"}]
+    text = _render([{"role": "user", "content": content}], thinking=False)
+    blocks = ("<|media_begin|>image 48x32<|media_content|><|media_pad|><|media_end|>and"
+              "<|media_begin|>video<|media_content|><|media_pad|><|media_end|>show")
+    assert text == f'{OPEN}message role="user"{SEP}{blocks}{CLOSE}message{SEP}{END}'
+    assert tokenizer.encode(text).count(tokenizer.special_id("<|media_pad|>")) == 2
 
 
 def _gguf_template(gguf: Path) -> str:
@@ -154,7 +167,7 @@ def test_a_broken_checkpoint_template_is_bad_input(tmp_path, k3_tiny_dir, value,
 
 def test_a_hostile_template_is_an_error_not_a_crash(tokenizer):
     from gguf_arch.errors import KimiError
-    from ggml_graph_spec.runner.chat import ChatTemplate
+    from ggml_graph_spec.text.chat_template import ChatTemplate
 
     with pytest.raises(KimiError, match="nested too deeply"):
         compile_template("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "deep")

@@ -97,7 +97,7 @@ def test_tensor_counts_and_types(converted):
     r = _reader(gguf)
     names = [t.name for t in r.tensors]
     assert names == [pt.name for pt in plan_tensors(cfg) if not pt.spec.optional]
-    assert len(names) == (369 if cfg.indexer else 353)  # 353: what llama.cpp's converter writes (findings.md)
+    assert len(names) == (369 if cfg.indexer else 353)  # 353: llama.cpp's converter (docs/reference/findings.md)
     ne = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
     for pt in plan_tensors(cfg):
         if pt.name in ne:
@@ -192,7 +192,7 @@ def test_cli_prints_counts_and_quiet_prints_nothing(k3_tiny_dir, tmp_path, capsy
     assert convert_kimi_k3.main([str(k3_tiny_dir), str(tmp_path / "b.gguf"), "--quiet"]) == 0
     assert capsys.readouterr() == ("", "")
     assert convert_kimi_k3.main([str(k3_tiny_dir), str(tmp_path / "b.gguf"), "--quiet", "--overwrite"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "a.gguf.sha256.json", "b.gguf", "b.gguf.sha256.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "a.gguf.manifest.json", "b.gguf", "b.gguf.manifest.json"]
 
 
 def _failing_chunks(exc: BaseException):

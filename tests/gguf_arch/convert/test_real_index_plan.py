@@ -1,8 +1,9 @@
 """Plan the conversion of the real Kimi K3 index (497,220 names) without any weights.
 
-Shapes come from the tensor table for the real config; dtypes follow k3-spec B.6 (five f32
-families, uint8 experts, bf16 otherwise). The byte accounting against the index's total_size
-then checks the table's shapes independently of the planner.
+Shapes come from the tensor table for the real config; dtypes follow
+docs/reference/tensors.md#byte-accounting (five f32 families, uint8 experts, bf16 otherwise). The
+byte accounting against the index's total_size then checks the table's shapes independently of the
+planner.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ INDEXER = {"wq_b.weight": lambda c: [c.indexer.n_heads * c.indexer.head_dim, c.q
 
 
 def _vision_bytes() -> int:
-    """k3-spec B.7: every vision / projector tensor, bf16."""
+    """docs/reference/tensors.md#vision-and-projector-names: every vision / projector tensor, bf16."""
     block = 4608 * 1024 + 1024 * 1536 + 4096 * 1024 + 1024 * 4096 + 1024 + 1024
     elements = (1024 * 3 * 14 * 14 + 64 * 64 * 1024 + 27 * block + 1024
                 + 4096 * 4096 + 7168 * 4096 + 7168)

@@ -66,25 +66,65 @@ def test_a_shard_truncated_after_its_header_was_read_is_a_clean_error(tmp_path, 
             ckpt.array(name)
 
 
-def test_large_reads_leave_no_page_in_the_page_cache(tmp_path, k3_tiny_dir, monkeypatch):
-    """Large reads go around the page cache (a 1.5 TB conversion must not fill it and evict what
-    is still to be read); the control read, buffered, does leave pages. The fixture's tensors
-    are small, so the threshold is lowered to one block."""
+EMBED = "language_model.model.embed_tokens.weight"
+
+
+@pytest.fixture
+def cold_embedding(tmp_path, k3_tiny_dir, monkeypatch):
+    """(open checkpoint, the embedding's entry, its shard) with the shard out of the page cache and
+    large reads from one block up (the fixture's tensors are small)."""
     monkeypatch.setattr(st_reader, "DIRECT_READ_MIN", 4096)
     ck = EditableCheckpoint(k3_tiny_dir, tmp_path / "m")
-    name = "language_model.model.embed_tokens.weight"
     with open_checkpoint(ck.dir) as ckpt:
-        e = ckpt.entries[name]
+        e = ckpt.entries[EMBED]
         shard = ck.dir / e.shard
         evict_pages(shard)
-        if ckpt._direct_fd(e.shard) is None:
+        if ckpt._direct_fd(e.shard, e.start, e.nbytes) is None:
             pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
-        assert ckpt.array(name).nbytes == e.nbytes
-        assert resident_pages(shard, e.start, e.nbytes) == 0
-        with open(shard, "rb") as f:
-            f.seek(e.start)
-            f.read(e.nbytes)
-        assert resident_pages(shard, e.start, e.nbytes) > 0
+        yield ckpt, e, shard
+
+
+def test_large_reads_leave_no_page_in_the_page_cache(cold_embedding):
+    """Large reads go around the page cache (a 1.5 TB conversion must not fill it and evict what
+    is still to be read); the control read, buffered, does leave pages."""
+    ckpt, e, shard = cold_embedding
+    assert ckpt.array(EMBED).nbytes == e.nbytes
+    assert resident_pages(shard, e.start, e.nbytes) == 0
+    with open(shard, "rb") as f:
+        f.seek(e.start)
+        f.read(e.nbytes)
+    assert resident_pages(shard, e.start, e.nbytes) > 0
+
+
+def test_a_range_in_the_page_cache_is_read_through_it(cold_embedding, monkeypatch):
+    """A large range the page cache holds whole is read buffered (an O_DIRECT read would go to the
+    device again); once evicted, the same read goes around the cache. Same bytes either way."""
+    ckpt, e, shard = cold_embedding
+    real, direct_reads = st_reader.pread_direct, []
+    monkeypatch.setattr(st_reader, "pread_direct", lambda *a: direct_reads.append(a[1:]) or real(*a))
+    cold = np.array(ckpt.read_range(e, 0, e.nbytes // 2))
+    assert direct_reads == [(e.start, e.nbytes)] and resident_pages(shard, e.start, e.nbytes) == 0
+    shard.read_bytes()  # now cached
+    assert np.array_equal(ckpt.read_range(e, 0, e.nbytes // 2), cold)
+    assert len(direct_reads) == 1
+
+
+def test_residency_of_a_file(tmp_path):
+    from gguf_arch.io.residency import Residency
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(5 * 4096 + 100))
+    evict_pages(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        r = Residency(fd)
+        assert not r.cached(0, 100) and not r.cached(4096, 4096)
+        os.pread(fd, 4096, 4096 + 10)  # reads (at least) page 1 into the cache
+        assert r.cached(4096, 4096) and r.cached(4200, 100)
+        assert not r.cached(0, 3 * 4096) and not r.cached(4096, 10 ** 9) and not r.cached(-1, 10)
+        r.close()
+        assert not r.cached(4096, 4096)
+    finally:
+        os.close(fd)
 
 
 def test_a_refused_direct_read_falls_back_to_buffered(k3_tiny_dir, monkeypatch):
@@ -97,6 +137,7 @@ def test_a_refused_direct_read_falls_back_to_buffered(k3_tiny_dir, monkeypatch):
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(st_reader, "pread_direct", refusing)
+    monkeypatch.setattr(st_reader.Residency, "cached", lambda *_: False)  # the fixture may be cached
     name = "language_model.model.embed_tokens.weight"
     with open_checkpoint(k3_tiny_dir) as ckpt:
         e = ckpt.entries[name]

@@ -83,7 +83,7 @@ def test_part_keys_follow_llama_cpp(k3_tiny_dir, k3_tiny_gguf, tmp_path):
         head, tail = fields[:-3], fields[-3:]
         assert head == (_fields(whole) if i == 0 else [])
         assert tail == list(zip(SPLIT_KEYS, split_types, [i, len(parts), total]))
-        manifest = json.loads((tmp_path / f"{part.name}.sha256.json").read_text())
+        manifest = json.loads((tmp_path / f"{part.name}.manifest.json").read_text())
         assert manifest["gguf"] == part.name and manifest["gguf_size"] == part.stat().st_size
     counts = [len(GGUFReader(p).tensors) for p in parts]
     assert counts[:-1] == [150] * (len(parts) - 1) and sum(counts) == total

@@ -210,7 +210,8 @@ def test_widened_to_f32_is_within_the_zero_bound(tmp_path, k3_tiny_dir, k3_tiny_
 
 
 def test_intended_types_make_a_retyped_tensor_a_difference(tmp_path, k31pro_tiny_dir, k31pro_tiny_gguf):
-    """indexer.proj must stay F32 (contract section 5): BF16 is within bound, but not what was intended."""
+    """indexer.proj must stay F32 (docs/reference/gguf.md#indexer-tensors): BF16 is within bound, but not
+    what was intended."""
     name = "blk.3.indexer.proj.weight"
     narrowed = quantize(_values(k31pro_tiny_gguf, name), Q.BF16)
     out = rewritten_copy(k31pro_tiny_gguf, tmp_path / "bf16.gguf", {name: (narrowed, Q.BF16)})

@@ -1,0 +1,99 @@
+"""Images in chat requests: OpenAI's `image_url` content parts, as `data:` URIs only.
+
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo..."}}
+
+Each part is decoded (base64, then Pillow with the CLI's checks: PNG, JPEG or WebP, whole, within
+the decompression-bomb limit), preprocessed, and given to the chat template as an image part
+(`{"type": "image", "width", "height"}`: the built-in K3 template writes K3's media block); the
+rendered prompt's placeholders are then replaced by the images' rows (generation/media.py). A URL
+that is not a data: URI is a 400: this server never fetches anything. Without --mmproj, an image
+part is a 400 too.
+
+A prompt with images is computed from scratch: its rows are not tokens the prompt cache could
+compare, so it never reuses a slot's cached prefix and leaves no checkpoint. The images are
+encoded in the request's worker thread, before its job is queued (beside the engine's steps),
+one request at a time: the encoder is not shared by two threads at once.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..engine.model import Model
+from ..generation.media import MediaPrompt, media_runs, plan_media
+from ..vision.encode import VisionEncoder
+from ..vision.preprocess import MediaError, MediaItem, image_from_bytes, media_item
+from ..vision.prompt import PromptError, media_part
+from .errors import bad_request
+
+IMAGE_PART = "image_url"
+_DATA_URI = re.compile(r"data:(?:[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[^;,]*)*;base64,(?P<data>.*)", re.DOTALL)
+
+
+class Vision:
+    """The server's vision encoder (--mmproj), shared by the request threads."""
+
+    def __init__(self, encoder: VisionEncoder) -> None:
+        self.encoder = encoder
+        self._lock = threading.Lock()
+
+    def item(self, part: Any, where: str) -> MediaItem:
+        """An image_url part's image, read and preprocessed (400 for anything else)."""
+        url = part.get(IMAGE_PART)
+        url = url.get("url") if isinstance(url, dict) else None
+        if not isinstance(url, str):
+            raise bad_request(f"'{where}.image_url.url' must be a string: a data: URI of the image")
+        if not url.startswith("data:"):
+            raise bad_request(f"'{where}.image_url.url' is not a data: URI: this server never fetches a URL; send "
+                              "the image inline, as data:image/png;base64,...")
+        m = _DATA_URI.fullmatch(url)
+        if m is None:
+            raise bad_request(f"'{where}.image_url.url' must be a base64 data: URI (data:image/png;base64,...)")
+        try:
+            data = base64.b64decode(m["data"], validate=True)
+            return media_item([image_from_bytes(data, where)], self.encoder.cfg, where)
+        except binascii.Error:
+            raise bad_request(f"'{where}.image_url.url': the data is not valid base64") from None
+        except MediaError as exc:
+            raise bad_request(str(exc)) from None
+
+    def plan(self, prompt: Sequence[int], items: Sequence[MediaItem]) -> MediaPrompt:
+        try:
+            return plan_media(self.encoder, prompt, items)
+        except PromptError as exc:  # a template of one's own that drops or repeats the placeholder
+            raise bad_request(f"the chat template's rendering does not fit the images: {exc}") from None
+
+    def runs(self, model: Model, prompt: MediaPrompt) -> list[np.ndarray]:
+        """The prompt as runs of token ids and rows, the images encoded."""
+        with self._lock:
+            return media_runs(model, self.encoder, prompt)
+
+    def close(self) -> None:
+        self.encoder.close()
+
+
+def image_parts(messages: list[dict], vision: Vision | None) -> tuple[list[dict], list[MediaItem]]:
+    """The messages with each image_url part made the template's image part, and the images in order."""
+    out, items = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list) or not any(p["type"] == IMAGE_PART for p in content):
+            out.append(m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if part["type"] == IMAGE_PART:
+                where = f"messages[{i}].content[{j}]"
+                if vision is None:
+                    raise bad_request(f"'{where}' is an image: this server has no vision encoder (start it with "
+                                      "--mmproj MMPROJ.gguf)")
+                items.append(vision.item(part, where))
+                part = media_part(items[-1])
+            parts.append(part)
+        out.append({**m, "content": parts})
+    return out, items

@@ -1,0 +1,231 @@
+"""A request body, checked and turned into what the engine runs: OpenAI's fields, llama-server's
+extensions (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `ignore_eos`, `cache_prompt`,
+`n_predict`), each with its type and range; anything else is one 400 naming the field.
+
+Defaults are the CLI's (llama-server's): a field left out means what `kimi-k3-cli` does without
+its flag. Unknown fields are ignored, as OpenAI's clients send some of their own.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from gguf_arch.errors import KimiError
+
+from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP,
+                                   DEFAULT_TOP_K, DEFAULT_TOP_P, SamplingParams)
+from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, reserved_kwargs
+from ..text.tokenizer import BPETokenizer
+from ..vision.preprocess import MediaItem
+from .errors import bad_request
+from .media import Vision, image_parts
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_STOP_STRINGS = 16
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One generation, as the engine runs it."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # -1: until the end-of-generation token or a full context
+    stop: tuple[str, ...]
+    logprobs: int  # -1: none; else the alternatives per token (0: the sampled token's only)
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    chat: bool  # a chat reply: special tokens and the template's tag markup are not text
+    cache_prompt: bool  # may reuse a slot's cached prefix (llama-server's cache_prompt)
+    ignore_eos: bool
+    runs: list | None = None  # a prompt with images: runs of ids and rows (prompt then has -1 at the rows)
+
+
+def get_field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any = _UNSET) -> Any:
+    """body[name] when it is of `kinds` (never a bool for a number), else 400 naming the field."""
+    value = body.get(name, _UNSET)
+    if value is _UNSET or value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise bad_request(f"'{name}' must be {what}, got a boolean")
+    if not isinstance(value, kinds):
+        raise bad_request(f"'{name}' must be {what}, got {type(value).__name__} {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float | None,
+            *, open_low: bool = False) -> float:
+    value = get_field(body, name, (int, float), "a number", default)
+    if not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a finite number, got {value}")
+    if value < low or (open_low and value == low) or (high is not None and value > high):
+        span = (f"> {low}" if open_low else f">= {low}") if high is None else f"in [{low}, {high}]"
+        raise bad_request(f"'{name}' must be {span}, got {value}")
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+    value = get_field(body, name, (int,), "an integer", default)
+    if value is not None and (value < low or (high is not None and value > high)):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise bad_request(f"'{name}' must be {span}, got {value}")
+    return value
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    return get_field(body, name, (bool,), "true or false", default)
+
+
+def sampling_params(body: Mapping[str, Any], suppress: frozenset[int]) -> SamplingParams:
+    """temperature, top_p, top_k, min_p, seed, repeat_penalty / repeat_last_n, presence_penalty,
+    frequency_penalty: llama-server's names and meanings (temperature <= 0 is greedy; -1 seed: random)."""
+    seed = _integer(body, "seed", -1, -1, 2**64 - 1)
+    return SamplingParams(
+        temp=_number(body, "temperature", DEFAULT_TEMP, 0.0, None),
+        top_k=_integer(body, "top_k", DEFAULT_TOP_K, 0),
+        top_p=_number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0),
+        min_p=_number(body, "min_p", DEFAULT_MIN_P, 0.0, 1.0),
+        seed=None if seed == -1 else seed,
+        repeat_penalty=_number(body, "repeat_penalty", DEFAULT_REPEAT_PENALTY, 0.0, None, open_low=True),
+        repeat_last_n=_integer(body, "repeat_last_n", DEFAULT_REPEAT_LAST_N, 0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        suppress=suppress)
+
+
+def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = get_field(body, "stop", (str, list), "a string or a list of strings", [])
+    stops = [value] if isinstance(value, str) else value
+    if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+    return tuple(stops)
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int:
+    """max_completion_tokens, max_tokens or llama-server's n_predict; -1 (or absent): no limit but
+    the context. Any size is taken: the slot's context clamps it (finish_reason "length")."""
+    for name in ("max_completion_tokens", "max_tokens", "n_predict"):
+        value = _integer(body, name, None, -1)
+        if value is not None:
+            if value == 0:
+                raise bad_request(f"'{name}' must be >= 1 (or -1: until the context is full), got 0")
+            return value
+    return -1
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int:
+    """Chat: logprobs true/false and top_logprobs N; completions: logprobs N (OpenAI's shapes)."""
+    if chat:
+        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if not _flag(body, "logprobs", False):
+            if top is not None:
+                raise bad_request("'top_logprobs' needs 'logprobs': true")
+            return -1
+        return top or 0
+    n = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    return -1 if n is None else n
+
+
+def _n(body: Mapping[str, Any]) -> None:
+    n = _integer(body, "n", 1, 1)
+    if n != 1:
+        raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}")
+
+
+def gen_request(body: Any, prompt: list[int], chat: bool, eos: int | None) -> GenRequest:
+    """The generation a checked body asks for, on already tokenized `prompt`."""
+    _n(body)
+    ignore_eos = _flag(body, "ignore_eos", False)
+    options = get_field(body, "stream_options", (dict,), "an object", {})
+    return GenRequest(
+        prompt=prompt,
+        sampling=sampling_params(body, frozenset({eos}) if ignore_eos and eos is not None else frozenset()),
+        max_tokens=_max_tokens(body), stop=_stops(body), logprobs=_logprobs(body, chat),
+        stream=_flag(body, "stream", False), include_usage=_flag(options, "include_usage", False),
+        chat=chat, cache_prompt=_flag(body, "cache_prompt", True), ignore_eos=ignore_eos)
+
+
+def check_object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+
+def token_ids(value: Any, name: str, vocab: int) -> list[int]:
+    """A list of token ids, each in the vocabulary."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise bad_request(f"'{name}' must be a list of token ids (integers)")
+    bad = next((t for t in value if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"'{name}': token id {bad} is outside the vocabulary 0..{vocab - 1}")
+    return list(value)
+
+
+def completion_prompt(body: Mapping[str, Any], tokenizer: BPETokenizer) -> list[int]:
+    """/v1/completions' prompt: a string, token ids, or a list holding one of them (n=1 only)."""
+    prompt = body.get("prompt", _UNSET)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI's batch form with one prompt
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        ids = token_ids(prompt, "prompt", tokenizer.vocab_size)
+    elif isinstance(prompt, list):
+        raise bad_request("'prompt' holds several prompts: this server takes one per request")
+    else:
+        raise bad_request("'prompt' is required: a string or a list of token ids")
+    if not ids:
+        raise bad_request("'prompt' is empty: it tokenizes to no tokens")
+    return ids
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise bad_request(f"'messages[{i}]' must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {_show(role)}")
+    content = m.get("content")
+    if content is None and role != "assistant":
+        raise bad_request(f"'messages[{i}].content' is required for the {role} role")
+    if content is not None and not isinstance(content, (str, list)):
+        raise bad_request(f"'messages[{i}].content' must be a string or a list of content parts")
+    if isinstance(content, list) and not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
+        raise bad_request(f"'messages[{i}].content' parts must be objects with a 'type'")
+    out = {**m, "role": "system" if role == "developer" else role}
+    return out
+
+
+def chat_prompt(body: Mapping[str, Any], template: ChatTemplate, tokenizer: BPETokenizer,
+                vision: Vision | None = None) -> tuple[list[int], list[MediaItem]]:
+    """/v1/chat/completions' messages rendered with the chat template (and the request's
+    chat_template_kwargs), tokenized as kimi-k3-cli tokenizes a conversation's first turn; and
+    the images of its image_url parts, in order (server/media.py)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' is required: a non-empty list of messages")
+    checked, items = image_parts([_message(m, i) for i, m in enumerate(messages)], vision)
+    kwargs = get_field(body, "chat_template_kwargs", (dict,), "an object", {})
+    reserved = reserved_kwargs(kwargs)
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(map(repr, reserved))} (reserved: "
+                          f"{', '.join(RESERVED_KWARGS)})")
+    text = _render(lambda: template.render(checked, add_generation_prompt=True, **kwargs))
+    return tokenizer.encode(text), items
+
+
+def _render(render: Callable[[], str]) -> str:
+    try:
+        return render()
+    except KimiError as exc:  # the template's own refusal (an image part, a tool call, raise_exception)
+        raise bad_request(str(exc)) from None
