@@ -132,7 +132,7 @@ class LoadOptions:
                 raise OptionError("--rpc-timeout needs --rpc")
             if isinstance(self.rpc_timeout, bool) or not isinstance(self.rpc_timeout, (int, float)) \
                     or not 0 < self.rpc_timeout < math.inf:
-                raise OptionError(f"--rpc-timeout (rpc_timeout) must be a positive number of seconds, "
+                raise OptionError(f"--rpc-timeout must be a positive number of seconds (rpc_timeout), "
                                   f"got {self.rpc_timeout!r}")
         if self.rpc:
             n = len(parse_endpoints(self.rpc))

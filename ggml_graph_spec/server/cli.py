@@ -112,6 +112,7 @@ def check(a: argparse.Namespace) -> list[str]:
             raise UsageError(f"{flag} must be >= 0, got {value}")
     if a.slot_save_path is not None and a.slot_save_path.exists() and not a.slot_save_path.is_dir():
         raise UsageError(f"--slot-save-path {a.slot_save_path}: not a directory")
+    check_chat_options(a)  # a missing, unreadable or failing template file is an error before loading
     notes = cap_threads(a)
     if not _loopback(a.host) and a.api_key is None:
         notes.append(f"warning: listening on {a.host} without --api-key: anyone who can reach this address can "
@@ -209,7 +210,6 @@ def run(a: argparse.Namespace) -> int:
     for note in check(a):
         _log(note)
     options = load_options(a, n_seq=a.parallel, progress=sys.stderr.isatty())
-    check_chat_options(a)  # a missing, unreadable or failing template is an error before the model loads
     if a.mmproj is not None:
         check_mmproj(a.mmproj, a.model)  # another model's mmproj too
     try:

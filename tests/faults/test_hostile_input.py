@@ -137,6 +137,40 @@ def test_options_are_checked_before_loading(k3_tiny_gguf, tmp_path, args, needle
     _runner(k3_tiny_gguf, *args, "-t", "1", prelude=NO_GGML).one_error_line(2, needle)
 
 
+# kimi-k3-server takes the same template, RPC and text options: checked alike before any ggml
+# object exists (and before it binds its port).
+@pytest.mark.parametrize("args, needle", [
+    (("--chat-template-kwargs", '{"messages": 5}'), "messages is set by the runner"),
+    (("--chat-template-kwargs", '{"eos_token": "x"}'), "eos_token is set by the runner"),
+    (("--chat-template-kwargs", "[1]"), "expected a JSON object"),
+    (("--chat-template-file", "DIR"), "is a directory"),
+    (("--chat-template-file", "FIFO"), "not a regular file"),
+    (("--chat-template-file", "ZERO_DIV"), "line 1: ZeroDivisionError"),
+    (("--chat-template-file", "HUGE"), "a template may make"),
+    (("--rpc", "127.0.0.1:1", "--rpc-timeout", "-1"), "--rpc-timeout must be a positive number"),
+    (("--rpc-timeout", "5"), "--rpc-timeout needs --rpc"),
+    (("--rpc", "127.0.0.1:1", "-ts", "1,1,1"), "3 values for 2 devices"),
+    (("--alias", BAD), "is not valid UTF-8"),
+], ids=["kwargs-messages", "kwargs-eos", "kwargs-list", "template-dir", "template-fifo", "template-runtime-error",
+        "template-too-large", "rpc-timeout", "rpc-timeout-alone", "tensor-split-count", "alias-not-utf8"])
+def test_server_options_are_checked_before_loading(k3_tiny_gguf, tmp_path, args, needle):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "div.jinja").write_text("{{ 1/0 }}")
+    (tmp_path / "huge.jinja").write_text("{{ 'x' * 10**10 }}")
+    files = {"DIR": tmp_path, "FIFO": tmp_path / "fifo", "ZERO_DIV": tmp_path / "div.jinja",
+             "HUGE": tmp_path / "huge.jinja"}
+    args = [str(files.get(a, a)) for a in args]
+    res = run_tool("server", "-m", k3_tiny_gguf, "--port", "0", "-t", "1", *args, prelude=NO_GGML)
+    res.one_error_line(2, needle)
+    assert "server is up" not in res.err
+
+
+def test_encode_images_refuses_an_output_that_names_a_directory(tmp_path):
+    d = tmp_path / "newdir"
+    run_tool("encode-images", tmp_path / "m.gguf", tmp_path / "x.png", "-o", f"{d}/").one_error_line(2, "names a directory")
+    assert not d.exists()
+
+
 # ---- an OUT that names a directory (class 13) --------------------------------------------------
 
 @pytest.mark.parametrize("tool, args", [

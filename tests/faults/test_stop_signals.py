@@ -17,7 +17,8 @@ from tests.support.paths import FIXTURES
 K3_TINY = FIXTURES / "k3-tiny"
 TOOLS = {"convert": (K3_TINY, "OUT"), "cli": ("-m", "GGUF", "-p", "hi", "-n", "1"), "diff": (K3_TINY, "GGUF"),
          "synth": ("OUT",), "quantize": ("GGUF", "OUT", "Q8_0"), "calibrate": ("-m", "GGUF", "-f", "x", "-o", "OUT"),
-         "prune": ("GGUF", "OUT", "--keep-experts", "2"), "doctor": ("GGUF",), "rpc-server": ("--port", "0")}
+         "prune": ("GGUF", "OUT", "--keep-experts", "2"), "doctor": ("GGUF",), "rpc-server": ("--port", "0"),
+         "encode-images": ("GGUF", "x.png", "-o", "OUT")}
 # Raise `sig` in the child when numpy or ggml starts to load: the first heavy import of every
 # tool, after the handlers were installed (the tool's module installs them before anything else).
 AT_NUMPY = """
@@ -45,6 +46,22 @@ def test_a_stop_signal_during_a_tools_imports_is_the_documented_line(k3_tiny_ggu
     assert not (tmp_path / "out").exists()
 
 
+# kimi-k3-server's documented end on a stop signal is 0 with a `stopping (SIGNAME)` line, from its
+# first line on: during its imports, and inside the ggml graph of the load's warm-up (the first
+# graph computed), where the watcher thread ends the process.
+@pytest.mark.parametrize("where", ["imports", "warm-up"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_server_stops_with_0_on_a_stop_signal_from_its_first_line(k3_tiny_gguf, sig, where):
+    prelude = AT_NUMPY.format(sig=int(sig)) if where == "imports" else IN_A_GRAPH.format(sig=int(sig), n=1)
+    res = run_tool("server", "-m", k3_tiny_gguf, "--port", "0", "-c", "128", "-t", "1", prelude=prelude)
+    lines = res.err.rstrip("\n").splitlines()
+    assert res.rc == 0, res.err
+    assert lines[-1] == f"stopping ({signal.Signals(sig).name})", res.err
+    assert "error" not in res.err and "Traceback" not in res.err and "Exception ignored" not in res.err
+    if where == "warm-up":
+        assert any(l.startswith("server is up on ") for l in lines), res.err
+
+
 # Raise `sig` from inside the sampler at its third token: Python code in the middle of generation.
 AT_THIRD_TOKEN = """
 import signal
@@ -57,22 +74,22 @@ def _call(self, logits):
     return _real(self, logits)
 s.Sampler.__call__ = _call
 """
-# Send `sig` to the process from inside the third ggml graph after loading: the main thread is in
-# a ggml call (the watcher thread ends the process) or has just left it (the handler raises).
+# Send `sig` to the process from inside the n-th ggml graph computed: the main thread is in a
+# ggml call (the watcher thread ends the process) or has just left it (the handler raises).
 IN_A_GRAPH = """
 import os, signal
 import ggml_graph_spec.backends.cpu as c
 _real, _n = c.Executor._run, [0]
 def _run(self, g):
     _n[0] += 1
-    if _n[0] == 3:
+    if _n[0] == {n}:
         os.kill(os.getpid(), {sig})
     return _real(self, g)
 c.Executor._run = _run
 """
 
 
-@pytest.mark.parametrize("where", [AT_THIRD_TOKEN, IN_A_GRAPH], ids=["sampling", "ggml-graph"])
+@pytest.mark.parametrize("where", [AT_THIRD_TOKEN, IN_A_GRAPH.replace("{n}", "3")], ids=["sampling", "ggml-graph"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_signal_during_generation_prints_the_timings_then_the_line(k3_tiny_gguf, sig, where):
     """SIGTERM exited 143 without the timings a Ctrl-C prints; now both print them."""

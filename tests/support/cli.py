@@ -32,7 +32,7 @@ MODULES = {"convert": "convert_kimi_k3", "cli": "ggml_graph_spec.runner.cli", "d
            "synth": "gguf_arch.synth.cli", "quantize": "kimi_k3_quantize", "calibrate": "ggml_graph_spec.tools.calibrate",
            "prune": "ggml_graph_spec.tools.prune", "doctor": "ggml_graph_spec.tools.doctor",
            "rpc-server": "ggml_graph_spec.tools.rpc_server",
-           "encode-images": "ggml_graph_spec.tools.encode_images"}
+           "encode-images": "ggml_graph_spec.tools.encode_images", "server": "ggml_graph_spec.server.cli"}
 # Any ggml context or weight buffer made in the child ends it with exit 99: a value reached ggml
 # before it was checked.
 NO_GGML = ("import os, ggml\n"
