@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from gguf_arch.errors import Interrupted, run_cli
+from gguf_arch.errors import run_cli
 from gguf_arch.io.console import ArgumentParser, UsageError, human_size
 
 from ..engine.model import Model
@@ -220,9 +220,9 @@ def run(a: argparse.Namespace) -> int:
     _log(f"server is up on {service.address}; loading {a.model} (/health answers 503 until it is loaded)")
     try:
         model = load(a.model, options)
-    except (KeyboardInterrupt, Interrupted):
+    except KeyboardInterrupt as exc:  # Interrupted too: its signal (a plain KeyboardInterrupt is a Ctrl-C)
         service.stop()
-        _log("stopped while loading the model")
+        _log(f"stopping ({signal.Signals(getattr(exc, 'signum', signal.SIGINT)).name}) while loading the model")
         return 0
     except BaseException:
         service.stop()

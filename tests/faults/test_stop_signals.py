@@ -56,7 +56,9 @@ def test_the_server_stops_with_0_on_a_stop_signal_from_its_first_line(k3_tiny_gg
     res = run_tool("server", "-m", k3_tiny_gguf, "--port", "0", "-c", "128", "-t", "1", prelude=prelude)
     lines = res.err.rstrip("\n").splitlines()
     assert res.rc == 0, res.err
-    assert lines[-1] == f"stopping ({signal.Signals(sig).name})", res.err
+    # Inside the graph the watcher ends the process; just after it the load's interrupt unwinds
+    # (`... while loading the model`): either way the same code and line.
+    assert lines[-1].startswith(f"stopping ({signal.Signals(sig).name})"), res.err
     assert "error" not in res.err and "Traceback" not in res.err and "Exception ignored" not in res.err
     if where == "warm-up":
         assert any(l.startswith("server is up on ") for l in lines), res.err
