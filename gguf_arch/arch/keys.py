@@ -233,7 +233,8 @@ def _read_fields(meta: Mapping[str, Any], keys: tuple[Key, ...], where: str) -> 
         if not _is_type(T.UINT32, value):
             raise GGUFError(f"{where}: metadata {key} is {value!r}, expected a token id")
         vocab = got.get("vocab_size")
-        if value != -1 and isinstance(vocab, int) and value >= vocab:
+        # A vocabulary of no tokens is the vocab_size key's own error (its range, checked next).
+        if value != -1 and isinstance(vocab, int) and vocab > 0 and value >= vocab:
             raise GGUFError(f"{where}: metadata {key} is {value}, outside the vocabulary (ids 0..{vocab - 1})")
         got[field] = value
     return got
