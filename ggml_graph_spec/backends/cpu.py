@@ -26,6 +26,7 @@ class Executor:
     bind_experts = None  # GraphBuild(bind_experts=...): a hook placing the routed experts (None: in place)
     predict_experts = None  # GraphBuild(predict_experts=...): a hook reading the next layer's experts early
     wants_plan = False  # True: plan a graph built for the purpose before the next one is built and computed
+    may_stall = False  # a graph's compute may wait on an RPC server (signals.native_call)
 
     def __init__(self, n_threads: int):
         self.backend = ggml.ggml_backend_cpu_init()
@@ -48,7 +49,7 @@ class Executor:
         meanwhile ends the process at once (native_call: a graph may run for minutes, or wait
         on a server)."""
         self._expand_outputs(g, outputs)
-        with native_call():
+        with native_call(self.may_stall):
             self._allocate(g)
             for t, value in g.input_arrays():
                 if not t.contents.buffer:  # an input no node reads is not allocated
@@ -96,7 +97,7 @@ class Executor:
     def read(t) -> np.ndarray:
         """A contiguous output as [rows, ne0]: every output here is [width, n_tokens] (T = 1 too)."""
         out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=NUMPY_OF[t.contents.type])
-        with native_call():  # from a server: a call on its socket
+        with native_call(may_stall=True):  # from a server: a call on its socket
             ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
         return out
 

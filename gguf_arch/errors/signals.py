@@ -18,7 +18,9 @@ one stderr line, `error: interrupted (SIGNAME)` and what is left, promptly, wher
   client takes that for a lost server and aborts);
 * during generation (`graceful_sigint`) the first Ctrl-C only asks the loop to stop after the
   current token (llama-cli's way); a second one ends the process at once, and so does the first
-  if the ggml call under way has not returned within GRACE_S (a server gone silent).
+  if the call under way waits on an RPC server (`native_call(may_stall=True)`) and has not
+  returned within GRACE_S (a server gone silent). A local graph always returns: the first Ctrl-C
+  waits for it however long the machine's load makes it.
 
 A signal during the interpreter's own start-up, before the tool's module runs, is outside this.
 """
@@ -36,7 +38,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Phases of a tool's process. IDLE: not a tool's process (a test calling main() in-process):
 # run_cli sets the handlers for its body and restores the caller's after it.
 IDLE, STARTUP, RUNNING, FINISHED = "idle", "startup", "running", "finished"
-# A first Ctrl-C during generation waits this long for the ggml call under way to return (the
+# A first Ctrl-C during generation waits this long for a call on an RPC server to return (the
 # loop then stops after that token) before it ends the process itself.
 GRACE_S = 5.0
 
@@ -74,6 +76,7 @@ class _State:
         self.what: str | None = None  # the tool's own "what is left" for an interrupt outside its body
         self.native = 0  # depth of native_call in the main thread
         self.native_calls = 0  # native calls entered so far (which one the main thread is in)
+        self.may_stall = False  # the native call under way may wait on a server that went silent
         self.deferred = 0  # depth of `deferred` in the main thread
         self.pending: int | None = None  # a stop signal `checkpoint` raises
         self.graceful: Graceful | None = None
@@ -171,7 +174,7 @@ def _on_byte(signum: int) -> None:
         g._seen += 1
         g.requested = True
         if g._seen == 1:
-            if s.native:  # the loop looks at `requested` when this ggml call returns: if it does
+            if s.native and s.may_stall:  # the loop looks at `requested` when this call returns: if it does
                 _end_if_still_in(s.native_calls, signum)
             return
         _end_on_signal(signum, s.what)  # a second Ctrl-C: at once, wherever the main thread is
@@ -295,9 +298,10 @@ def _block(how: int) -> None:
 
 
 @contextlib.contextmanager
-def native_call() -> Iterator[None]:
+def native_call(may_stall: bool = False) -> Iterator[None]:
     """The main thread is about to spend long in C: a stop signal ends the process from the
-    watcher thread instead of waiting for the call to return."""
+    watcher thread instead of waiting for the call to return. may_stall: the call waits on an
+    RPC server, which may never answer (a first Ctrl-C during generation then waits GRACE_S)."""
     s = _STATE
     if s.phase != RUNNING or s.wakeup_r is None or not _main_thread():
         yield
@@ -305,12 +309,15 @@ def native_call() -> Iterator[None]:
     if s.native == 0:
         _block(signal.SIG_BLOCK)
         s.native_calls += 1
+        s.may_stall = False
     s.native += 1
+    s.may_stall = s.may_stall or may_stall
     try:
         yield
     finally:
         s.native -= 1
         if s.native == 0:
+            s.may_stall = False
             _block(signal.SIG_UNBLOCK)
 
 

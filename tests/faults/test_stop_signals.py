@@ -6,11 +6,14 @@ Each signal here lands at a point the test chooses (a hook in the child raises i
 outcome never depends on timing; test_signal_storm.py sends them at random moments instead."""
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from tests.support.cli import run_cli, run_tool
+from tests.support.cli import REPO, run_cli, run_tool, tool_code
 from tests.support.held import interrupt_mid_write
 from tests.support.paths import FIXTURES
 
@@ -103,6 +106,37 @@ def test_a_stop_signal_during_generation_prints_the_timings_then_the_line(k3_tin
     assert [l for l in lines if l.startswith("error:")] == lines[-1:], res.err
     assert any(l.startswith("kimi_k3_perf: ") and "eval time" in l for l in lines), res.err
     assert "Traceback" not in res.err and "Exception ignored" not in res.err
+
+
+# A Ctrl-C inside the third graph of a reply, whose computation then lasts 40 times the grace a
+# call on an RPC server gets: as on a machine so loaded that one local token takes seconds.
+SLOW_LOCAL_GRAPH = """
+import os, signal, time
+import gguf_arch.errors.signals as sg
+import ggml_graph_spec.backends.cpu as c
+sg.GRACE_S = 0.05
+_real, _n = c.Executor._run, [0]
+def _run(self, g):
+    _n[0] += 1
+    if _n[0] == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(40 * sg.GRACE_S)
+    return _real(self, g)
+c.Executor._run = _run
+"""
+
+
+def test_a_first_ctrl_c_waits_for_a_local_graph_however_long_it_takes(k3_tiny_gguf):
+    """The first Ctrl-C of a reply ends the reply, not the program, even when the token under way
+    takes long: only a call on an RPC server (which may never answer) is cut short after the grace
+    (test_rpc_hostile.py). The conversation then reads the end of its input and ends with 0."""
+    args = ["-m", str(k3_tiny_gguf), "-cnv", "--ignore-eos", "-c", "2048", "-t", "1", "-n", "500"]
+    res = subprocess.run([sys.executable, "-c", tool_code("cli", SLOW_LOCAL_GRAPH), *args], cwd=REPO,
+                         input="Hello there\n", capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert res.returncode == 0, res.stderr
+    assert "error:" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert "kimi_k3_perf: " in res.stderr
 
 
 # The failure of the Ctrl-C test under load, made to happen every time: the signal comes while the

@@ -77,7 +77,7 @@ def _cpu_memory() -> int:
 
 def _server_memory(address: bytes) -> int:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    with native_call():
+    with native_call(may_stall=True):
         ggml.ggml_backend_rpc_get_device_memory(address, 0, ctypes.byref(free), ctypes.byref(total))
     return free.value
 
@@ -86,7 +86,7 @@ def _backend(c: Connection):
     """ggml's RPC backend for the server, and its buffer type's alignment and largest buffer as
     ggml cached them, checked through ggml's own getters before anything is allocated (the relay
     checked the replies they came from; this is where ggml-alloc reads them)."""
-    with native_call():
+    with native_call(may_stall=True):
         backend = ggml.ggml_backend_rpc_init(c.ggml_endpoint, 0)
         buft = ggml.ggml_backend_get_default_buffer_type(backend)
     align, largest = ggml.ggml_backend_buft_get_alignment(buft), ggml.ggml_backend_buft_get_max_size(buft)
@@ -157,7 +157,7 @@ class Devices:
             if r is not None and p.name in self.weights.tensors:
                 r.names.append(p.name)
         total = sum(ggml.ggml_nbytes(self.weights.tensors[n]) for r in self._remotes.values() for n in r.names)
-        with task_bar("upload to the RPC servers", total, enabled=progress, in_bytes=True) as bar, native_call():
+        with task_bar("upload to the RPC servers", total, enabled=progress, in_bytes=True) as bar, native_call(may_stall=True):
             for r in self._remotes.values():
                 self._allocate_remote(r)
                 for name in r.names:
