@@ -14,6 +14,10 @@ checkpoint), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install("no output written")  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import sys
 from pathlib import Path
@@ -23,7 +27,7 @@ from gguf_arch.convert.listing import listing_resolution, mmproj_listing, plan_l
 from gguf_arch.convert.mmproj import MmprojOptions
 from gguf_arch.convert.run import OutputOptions, convert
 from gguf_arch.errors import run_cli
-from gguf_arch.io.console import ArgumentParser, cpu_count
+from gguf_arch.io.console import ArgumentParser, cpu_count, output_file
 from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.split import SplitLimits, parse_size
 from gguf_arch.verify.verify import verify
@@ -35,8 +39,8 @@ from quant_rules.rules import parse_tensor_type
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="convert-kimi-k3", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path, help="checkpoint directory (config.json, index, shards, tokenizer)")
-    p.add_argument("out", type=Path, nargs="?", metavar="OUT", help="output .gguf file (not with --print-tensor-types)")
-    p.add_argument("--outfile", type=Path, metavar="OUT", help="the output file, as llama.cpp's converter names it "
+    p.add_argument("out", type=output_file, nargs="?", metavar="OUT", help="output .gguf file (not with --print-tensor-types)")
+    p.add_argument("--outfile", type=output_file, metavar="OUT", help="the output file, as llama.cpp's converter names it "
                                                               "(instead of the positional OUT)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-dsa", action="store_true",
@@ -53,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(powers of 1000, as llama.cpp; a larger tensor gets a part of its own)")
     p.add_argument("--split-max-tensors", metavar="N", type=int, default=0,
                    help="split the output into parts of at most N tensors")
-    p.add_argument("--log-json", type=Path, metavar="FILE",
+    p.add_argument("--log-json", type=output_file, metavar="FILE",
                    help="write one JSON progress line per tensor to FILE (file, tensor, bytes done/total, "
                         "elapsed, rate)")
     p.add_argument("--allow-non-finite", action="store_true",
@@ -66,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                         "default: the CPUs this process may run on); the output bytes do not depend on it")
     add_quant_arguments(p)
     g = p.add_argument_group("vision (the tower and projector as llama.cpp's separate mmproj GGUF)")
-    g.add_argument("--mmproj", type=Path, metavar="MMPROJ.gguf",
+    g.add_argument("--mmproj", type=output_file, metavar="MMPROJ.gguf",
                    help="also write the vision tower and projector to MMPROJ.gguf (general.architecture clip, "
                         "projector type kimik3); planned and checked with OUT before either is written")
     g.add_argument("--mmproj-only", action="store_true", help="write only the mmproj (no OUT)")

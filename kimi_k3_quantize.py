@@ -13,6 +13,10 @@ output is left).
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import os
 import sys
@@ -22,7 +26,7 @@ from typing import Sequence
 from ggml_graph_spec.weights.loader import load_gguf
 from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
 from gguf_arch.errors import GGUFError, run_cli
-from gguf_arch.io.console import ArgumentParser
+from gguf_arch.io.console import ArgumentParser, output_file
 from gguf_arch.io.output_paths import OutputPaths
 from quant_rules import llama_quantize as lq
 from quant_rules.llama_types import LLAMA_QUANTIZE_TYPES, NEEDS_IMATRIX
@@ -33,7 +37,7 @@ from quant_rules.rules import QuantRuleError, parse_type, type_name
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="kimi-k3-quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("input", type=Path, metavar="IN.gguf", help="a kimi-k3 GGUF (single file or first part)")
-    p.add_argument("output", type=Path, metavar="OUT.gguf")
+    p.add_argument("output", type=output_file, metavar="OUT.gguf")
     p.add_argument("type", metavar="TYPE",
                    help=f"the routed experts' type: {', '.join(type_name(t) for t in LLAMA_QUANTIZE_TYPES)}")
     needs = ", ".join(type_name(t) for t in LLAMA_QUANTIZE_TYPES if t in NEEDS_IMATRIX)

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gguf_arch.arch.tensors import OUTPUT, TOKEN_EMBD
 from gguf_arch.errors import OutputError
-from gguf_arch.io.console import human_size
+from gguf_arch.io.console import human_size, output_file
 from gguf_arch.io.jsonfile import read_text
 from gguf_arch.io.output_paths import create
 
@@ -43,7 +43,7 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
                         f"TYPE ({', '.join(type_name(t) for t in EXPERT_TYPES)}); lossy for q8_0 and f16")
     g.add_argument("--print-tensor-types", action="store_true",
                    help="print each output tensor's source type, final type and deciding rule; convert nothing")
-    g.add_argument("--export-quantize-rules", type=Path, metavar="FILE",
+    g.add_argument("--export-quantize-rules", type=output_file, metavar="FILE",
                    help="write the llama-quantize --tensor-type rules that keep the protected tensors "
                         "at their types in this GGUF")
 

@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterable, Iterator
 import ggml
 import numpy as np
 
+from gguf_arch.errors.signals import native_call
+
 from ..graph.build import NUMPY_OF, GraphBuild
 
 
@@ -24,6 +26,7 @@ class Executor:
     bind_experts = None  # GraphBuild(bind_experts=...): a hook placing the routed experts (None: in place)
     predict_experts = None  # GraphBuild(predict_experts=...): a hook reading the next layer's experts early
     wants_plan = False  # True: plan a graph built for the purpose before the next one is built and computed
+    may_stall = False  # a graph's compute may wait on an RPC server (signals.native_call)
 
     def __init__(self, n_threads: int):
         self.backend = ggml.ggml_backend_cpu_init()
@@ -42,14 +45,17 @@ class Executor:
             ggml.ggml_free(ctx)
 
     def compute(self, g: GraphBuild, outputs: Iterable[Any]) -> None:
-        """Allocate g's graph (outputs kept alive), upload its inputs, run it."""
+        """Allocate g's graph (outputs kept alive), upload its inputs, run it. A stop signal
+        meanwhile ends the process at once (native_call: a graph may run for minutes, or wait
+        on a server)."""
         self._expand_outputs(g, outputs)
-        self._allocate(g)
-        for t, value in g.input_arrays():
-            if not t.contents.buffer:  # an input no node reads is not allocated
-                continue
-            ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
-        status = self._run(g)
+        with native_call(self.may_stall):
+            self._allocate(g)
+            for t, value in g.input_arrays():
+                if not t.contents.buffer:  # an input no node reads is not allocated
+                    continue
+                ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
+            status = self._run(g)
         if status != ggml.GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
 
@@ -91,7 +97,8 @@ class Executor:
     def read(t) -> np.ndarray:
         """A contiguous output as [rows, ne0]: every output here is [width, n_tokens] (T = 1 too)."""
         out = np.empty((ggml.ggml_nrows(t), t.contents.ne[0]), dtype=NUMPY_OF[t.contents.type])
-        ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+        with native_call(may_stall=True):  # from a server: a call on its socket
+            ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
         return out
 
     def free(self) -> None:

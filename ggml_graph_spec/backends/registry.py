@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 from ..weights.loader import GGUFWeights
 from .cpu import Executor
 from .rpc.devices import Devices
+from .rpc.relay import DEFAULT_TIMEOUT_S
 from .streaming.budget import parse_size
 from .streaming.executor import StreamingExecutor
 
@@ -37,6 +38,7 @@ class BackendRequest:
     tensor_split: Sequence[float] | str | None = None
     mem_budget: int | str | None = None
     progress: bool = False
+    rpc_timeout: float = DEFAULT_TIMEOUT_S  # the longest wait for one reply of a server
 
 
 @dataclass
@@ -59,7 +61,7 @@ def _cpu(weights: GGUFWeights, req: BackendRequest) -> Backend:
 
 def _rpc(weights: GGUFWeights, req: BackendRequest) -> Backend:
     devices = Devices.connect(weights, req.rpc, tensor_split=req.tensor_split, n_threads=req.n_threads,
-                              progress=req.progress)
+                              progress=req.progress, timeout=req.rpc_timeout)
     try:
         return Backend("rpc", devices.executor(req.n_nodes), devices)
     except BaseException:

@@ -28,6 +28,8 @@ _tensor_backend = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_vo
 class SchedExecutor(Executor):
     """Executor over `backends` (the CPU last, as ggml's scheduler requires)."""
 
+    may_stall = True  # the other backends are RPC servers: a compute waits on their sockets
+
     def __init__(self, backends: Sequence, n_nodes: int, device_of: Callable[[Hashable], int],
                  check: Callable[[], None], buffer_types: Sequence | None = None):
         """buffer_types: the compute buffer type of each backend (None: their defaults)."""

@@ -58,7 +58,7 @@ class Model(Sequences):
         self._graph_size = graph_size(weights)
         self._backend = open_backend(weights, BackendRequest(
             options.n_threads, self._graph_size, options.exact_experts, options.rpc, options.tensor_split,
-            options.mem_budget, options.progress))
+            options.mem_budget, options.progress, options.reply_timeout))
         try:
             self._open_caches(options)
         except BaseException:

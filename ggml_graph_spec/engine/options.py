@@ -15,12 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
+import math
+
 import ggml
 
 from gguf_arch.arch.config import K3Config
 from gguf_arch.io.console import cpu_count
 
+from ..backends.rpc.relay import DEFAULT_TIMEOUT_S
+from ..backends.rpc.wire import parse_endpoints
 from ..backends.streaming.budget import parse_size
+from ..graph.placement import parse_tensor_split
 from ..graph.build import DSA_PATHS
 from .inputs import EvalError
 
@@ -67,6 +72,7 @@ class LoadOptions:
     top_k: int | None = None  # override the GGUF's indexer top-k
     repack: bool | None = None  # the experts in ggml's repacked layout (None: as llama.cpp decides)
     rpc: Sequence[str] | str = ()  # ggml RPC servers to spread the layers over
+    rpc_timeout: float | None = None  # with rpc: the longest wait for one reply, in s (None: DEFAULT_TIMEOUT_S)
     tensor_split: Sequence[float] | str | None = None  # with rpc: each server's share, then the CPU's
     mem_budget: int | str | None = None  # bytes (or "8G", a preset) the model may keep resident
     cache_type_k: str | None = None  # the MLA latent cache (None: f32 exact, DEFAULT_LATENT_TYPE fast)
@@ -110,12 +116,34 @@ class LoadOptions:
             raise OptionError("--repack applies to the fast path, not with --exact-experts")
         if self.tensor_split is not None and not self.rpc:
             raise OptionError("--tensor-split needs --rpc")
+        self._check_rpc()
         if self.repack and self.rpc:
             raise OptionError("--repack applies to this host's weights only, not with --rpc")
         if self.mem_budget is not None:
             parse_size(self.mem_budget)  # a bad SIZE is one line before the model is opened
             if self.rpc or self.repack:
                 raise OptionError("--mem-budget streams this host's mapped layers; not with --rpc or --repack")
+
+    def _check_rpc(self) -> None:
+        """--rpc's endpoints, -ts's shares (one per server and the CPU) and --rpc-timeout, before any
+        connection is made."""
+        if self.rpc_timeout is not None:
+            if not self.rpc:
+                raise OptionError("--rpc-timeout needs --rpc")
+            if isinstance(self.rpc_timeout, bool) or not isinstance(self.rpc_timeout, (int, float)) \
+                    or not 0 < self.rpc_timeout < math.inf:
+                raise OptionError(f"--rpc-timeout must be a positive number of seconds (rpc_timeout), "
+                                  f"got {self.rpc_timeout!r}")
+        if self.rpc:
+            n = len(parse_endpoints(self.rpc))
+            if self.tensor_split is not None:
+                split = self.tensor_split
+                parse_tensor_split(split if isinstance(split, str) else ",".join(map(str, split)), n + 1)
+
+    @property
+    def reply_timeout(self) -> float:
+        """The longest wait for one reply of an RPC server, in seconds."""
+        return DEFAULT_TIMEOUT_S if self.rpc_timeout is None else float(self.rpc_timeout)
 
     # ---- once the metadata is read ---------------------------------------------------------------
     def resolve(self, cfg: K3Config, where: str) -> "LoadOptions":

@@ -40,10 +40,13 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_norm - z[np.arange(len(targets)), targets]
 
 
+MIN_PERPLEXITY_CTX = 4  # a chunk's second half is scored: at least two tokens of context, two scored
+
+
 def chunk_count(n_tokens: int, n_ctx: int, n_chunks: int) -> int:
     """How many chunks llama-perplexity evaluates (n_chunks < 0: as many as fit)."""
-    if n_ctx < 4:
-        raise KimiError(f"perplexity: context size {n_ctx} is too small: need -c 4 or more")
+    if n_ctx < MIN_PERPLEXITY_CTX:
+        raise KimiError(f"perplexity: context size {n_ctx} is too small: need -c {MIN_PERPLEXITY_CTX} or more")
     if n_tokens < 2 * n_ctx:
         raise KimiError(f"perplexity: the text tokenizes to {n_tokens} tokens; need at least "
                         f"{2 * n_ctx} (2 x -c {n_ctx}): give a longer -f file or a smaller -c")

@@ -8,6 +8,7 @@ from typing import Any
 
 from gguf_arch.io.console import UsageError
 
+from ..backends.rpc.relay import DEFAULT_TIMEOUT_S
 from ..backends.streaming.budget import PRESETS
 from ..engine.options import (DEFAULT_BATCH, DEFAULT_INDEXER_TYPE, DEFAULT_LATENT_TYPE, DEFAULT_UBATCH,
                               INDEXER_CACHE_TYPES, LATENT_CACHE_TYPES, LoadOptions)
@@ -85,10 +86,13 @@ def add_context_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_placement_arguments(p: argparse.ArgumentParser) -> None:
-    """--rpc, -ts, --mem-budget."""
+    """--rpc, --rpc-timeout, -ts, --mem-budget."""
     p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
                    help="spread the layers over these ggml RPC servers (started with kimi-k3-rpc-server) and "
                         "this host")
+    p.add_argument("--rpc-timeout", metavar="S", type=float, default=None,
+                   help=f"with --rpc: the longest wait for any one reply of a server, its graph's computation "
+                        f"included, in seconds (default {DEFAULT_TIMEOUT_S:g}); past it the run ends with exit 1")
     p.add_argument("-ts", "--tensor-split", metavar="N0,N1,...", default=None,
                    help="with --rpc: the share of the layers of each server, in --rpc order, then of this host "
                         "(missing values are 0; default: each one's free memory)")
@@ -103,6 +107,6 @@ def load_options(a: argparse.Namespace, **fields) -> LoadOptions:
     parsed = dict(n_ctx=a.ctx_size, n_threads=a.threads, exact_experts=a.exact_experts, n_batch=a.batch_size,
                   n_ubatch=a.ubatch_size, cache_type_k=a.cache_type_k, cache_type_indexer=a.cache_type_indexer,
                   dsa=None if a.dsa is None else a.dsa == "on", dsa_path=a.dsa_path, repack=a.repack,
-                  rpc=a.rpc or (), tensor_split=a.tensor_split, mem_budget=a.mem_budget,
+                  rpc=a.rpc or (), rpc_timeout=a.rpc_timeout, tensor_split=a.tensor_split, mem_budget=a.mem_budget,
                   overrides=dict(a.override_kv))
     return LoadOptions(**{**parsed, **fields}).check()

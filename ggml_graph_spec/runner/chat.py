@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
+from gguf_arch.arch.chat_template import SAMPLE_CONVERSATION
+from gguf_arch.arch.template_sandbox import compile_template, render
 from gguf_arch.errors import KimiError
 from gguf_arch.io.console import UsageError
+from gguf_arch.io.jsonfile import read_text
 
 from ..engine.model import Model
 from ..generation.batch import Prompt
@@ -36,7 +39,7 @@ from ..generation.events import Reply, StopRules, Timings
 from ..generation.generate import check_fits, generate
 from ..generation.media import media_runs, plan_media
 from ..generation.sampling import Sampler
-from ..text.chat_template import ChatTemplate, ReplyFilter
+from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, ReplyFilter, reserved_kwargs
 from ..text.tokenizer import BPETokenizer
 from ..vision.encode import VisionEncoder
 from ..vision.preprocess import MediaError, MediaItem
@@ -71,9 +74,32 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"--chat-template-kwargs: not JSON ({exc})") from None
+    except RecursionError:
+        raise UsageError("--chat-template-kwargs: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise UsageError(f"--chat-template-kwargs: expected a JSON object, got {text!r}")
+    reserved = reserved_kwargs(value)
+    if reserved:
+        raise UsageError(f"--chat-template-kwargs: {', '.join(reserved)} is set by the runner for every template "
+                         f"(reserved: {', '.join(RESERVED_KWARGS)}); give another name")
     return value
+
+
+def check_chat_options(a: argparse.Namespace) -> None:
+    """Before loading: --chat-template-kwargs parsed (`a.template_kwargs`), --chat-template-file
+    read (a FIFO or directory refused, not waited on), compiled and rendered once on a sample
+    conversation (`a.template_file`: its path and text), so that a bad one costs no load."""
+    a.template_kwargs = parse_template_kwargs(a.chat_template_kwargs) if a.chat_template_kwargs is not None else {}
+    a.template_file = None
+    if a.chat_template_file is None:
+        return
+    where = str(a.chat_template_file)
+    text = read_text(a.chat_template_file, UsageError, "no such file")
+    system = [{"role": "system", "content": a.system_prompt}] if getattr(a, "system_prompt", None) is not None else []
+    render(compile_template(text, where, UsageError), where, UsageError,
+           **{"bos_token": "", "eos_token": "", **a.template_kwargs},
+           messages=system + list(SAMPLE_CONVERSATION), add_generation_prompt=True)
+    a.template_file = (a.chat_template_file, text)
 
 
 @dataclass
@@ -167,13 +193,28 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 class LineReader:
-    """User input: from a terminal with a `> ` prompt and `\\` continuation lines, or from a pipe."""
+    """User input: from a terminal with a `> ` prompt and `\\` continuation lines, or from a pipe.
+    No stdin at all (`<&-`) is an empty input; a line that is not UTF-8 is refused, naming it."""
 
-    def __init__(self, stdin: TextIO, out: TextIO) -> None:
+    def __init__(self, stdin: TextIO | None, out: TextIO) -> None:
         self._stdin, self._out = stdin, out
-        self.terminal = stdin.isatty()
+        self.terminal = stdin is not None and stdin.isatty()
+        self._lines = 0
 
     def _line(self, prompt: str) -> str | None:
+        if self._stdin is None:
+            return None
+        self._lines += 1
+        try:
+            line = self._read(prompt)
+        except UnicodeDecodeError:
+            line = None
+        else:  # decoded with surrogateescape (a C locale): the bytes that were not UTF-8 show here
+            if line is None or not any("\udc80" <= c <= "\udcff" for c in line):
+                return line
+        raise UsageError(f"standard input, line {self._lines}: not valid UTF-8 text (a conversation takes UTF-8)")
+
+    def _read(self, prompt: str) -> str | None:
         if self.terminal:
             # The prompt goes to stdout as llama-cli writes it (input()'s own prompt may go to stderr).
             self._out.write(prompt)

@@ -6,6 +6,10 @@ errors go to stderr, as llama.cpp logs them.
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import secrets
 import sys
@@ -15,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from gguf_arch.errors import run_cli
+from gguf_arch.errors import run_cli, signals
 from gguf_arch.io.console import ArgumentParser
 from gguf_arch.io.jsonfile import read_text
 
@@ -32,7 +36,7 @@ from ..text.chat_template import chat_template
 from ..text.tokenizer import BPETokenizer
 from .args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                    load_options)
-from .chat import Conversation, add_chat_arguments, parse_template_kwargs, run_interactive, stream
+from .chat import Conversation, add_chat_arguments, run_interactive, stream
 from .interrupt import sigint_stops
 from .media import MediaInput, add_media_arguments, check_media
 from .summary import summary
@@ -192,10 +196,9 @@ def _run_completion(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
 def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer, text: str | None,
                       timings: Timings, media: MediaInput | None) -> bool:
     template, template_line = None, ""
-    if args.mode == "chat":
-        kwargs = parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs else {}
-        template, template_line = chat_template(model.weights.metadata, tokenizer, args.chat_template_file,
-                                                kwargs, _read_text)
+    if args.mode == "chat":  # the options were checked before loading (chat.check_chat_options)
+        template, template_line = chat_template(model.weights.metadata, tokenizer, args.template_file,
+                                                args.template_kwargs, model.weights.path)
     elif text is not None and not args.no_display_prompt:
         sys.stdout.write(text)
     conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),
@@ -224,6 +227,8 @@ def run(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     model = load(args.model, options)
     tokenizer = model.tokenizer
+    # A stop signal that ends the process inside a ggml call prints the timings too (signals.py).
+    signals.at_stop(lambda: [f"kimi_k3_perf: {line}" for line in timings.lines()])
     try:
         if media is not None:  # the same path as the model's: F32 everywhere with --exact-experts
             media.open(exact=args.exact_experts, threads=args.threads)
@@ -232,15 +237,18 @@ def run(args: argparse.Namespace) -> None:
         if args.mode != "perplexity":
             args.seed = _draw_seed(args.seed)
             _log([f"sampler seed: {args.seed}"])
+        stop = None
         try:
-            interrupted = _RUNNERS[args.mode](args, model, tokenizer, text, timings, media)
-        except KeyboardInterrupt:  # Ctrl-C at a conversation's prompt, or during perplexity
-            interrupted = True
+            if _RUNNERS[args.mode](args, model, tokenizer, text, timings, media):
+                stop = KeyboardInterrupt()
+        except KeyboardInterrupt as exc:  # Ctrl-C at a conversation's prompt or in perplexity; SIGTERM
+            stop = exc
+        signals.at_stop(None)
         _log(timings.lines(), prefix="kimi_k3_perf: ")
         if isinstance(model.executor, StreamingExecutor):  # the expert cache's hits over the whole run
             _log([f"{k}: {v}" for k, v in model.executor.stats()], prefix="kimi_k3_perf: ")
-        if interrupted:  # llama-cli prints the timings, then exits 130
-            raise KeyboardInterrupt
+        if stop is not None:  # llama-cli prints the timings, then exits 130 (143 for SIGTERM)
+            raise stop
     finally:
         if media is not None:
             media.close()

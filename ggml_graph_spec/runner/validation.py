@@ -20,6 +20,8 @@ from typing import Any
 
 from gguf_arch.io.console import UsageError, cpu_count
 
+from ..generation.perplexity import MIN_PERPLEXITY_CTX
+from .chat import check_chat_options
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a seed; the largest 32-bit seed
 
@@ -54,6 +56,10 @@ def check_options(a: argparse.Namespace) -> list[str]:
         raise UsageError(f"--repeat-penalty must be > 0, got {a.repeat_penalty} (1.0 = off)")
     if a.seed > RANDOM_SEED:
         raise UsageError(f"-s/--seed must be at most {RANDOM_SEED} (a 32-bit seed, as llama.cpp's), got {a.seed}")
+    if a.perplexity and 0 < a.ctx_size < MIN_PERPLEXITY_CTX:
+        raise UsageError(f"--perplexity: -c {a.ctx_size} is too small: the scored half of a chunk needs "
+                         f"-c {MIN_PERPLEXITY_CTX} or more")
+    check_chat_options(a)  # the template and its kwargs, before anything is loaded
     return cap_threads(a)
 
 

@@ -11,6 +11,10 @@ had, or the engine failed; 2 bad arguments or a bad GGUF.
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install(stop_code=0)  # first: a stop signal from here on (the imports below, the load) ends it with 0
+
 import argparse
 import contextlib
 import ipaddress
@@ -22,16 +26,15 @@ import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from gguf_arch.errors import Interrupted, run_cli
+from gguf_arch.errors import run_cli
 from gguf_arch.io.console import ArgumentParser, UsageError, human_size
-from gguf_arch.io.jsonfile import read_text
 
 from ..engine.model import Model
 from ..engine.options import DEFAULT_CTX
 from ..generation.media import check_encoder
 from ..runner.args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                           load_options)
-from ..runner.chat import parse_template_kwargs
+from ..runner.chat import check_chat_options
 from ..runner.cli import load
 from ..runner.media import add_mmproj_argument, check_mmproj
 from ..runner.summary import summary
@@ -109,6 +112,7 @@ def check(a: argparse.Namespace) -> list[str]:
             raise UsageError(f"{flag} must be >= 0, got {value}")
     if a.slot_save_path is not None and a.slot_save_path.exists() and not a.slot_save_path.is_dir():
         raise UsageError(f"--slot-save-path {a.slot_save_path}: not a directory")
+    check_chat_options(a)  # a missing, unreadable or failing template file is an error before loading
     notes = cap_threads(a)
     if not _loopback(a.host) and a.api_key is None:
         notes.append(f"warning: listening on {a.host} without --api-key: anyone who can reach this address can "
@@ -121,10 +125,6 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _read_text(path: Path) -> str:
-    return read_text(path, UsageError, "no such file")
 
 
 def _log(line: str) -> None:
@@ -171,8 +171,10 @@ def stop_signals() -> Iterator[_StopSignals]:
 def start_engine(model: Model, service: Service, a: argparse.Namespace) -> Engine:
     """The chat template, the engine thread and the slot files for a loaded model, attached to the
     service: from here on it serves the model."""
-    kwargs = parse_template_kwargs(a.chat_template_kwargs) if a.chat_template_kwargs else {}
-    template, where = chat_template(model.weights.metadata, model.tokenizer, a.chat_template_file, kwargs, _read_text)
+    # The template file and kwargs were checked before loading (check_chat_options); the GGUF's
+    # own template is compiled here, in the same bounded sandbox.
+    template, where = chat_template(model.weights.metadata, model.tokenizer, a.template_file, a.template_kwargs,
+                                    model.weights.path)
     files = None
     if a.slot_save_path is not None:
         a.slot_save_path.mkdir(parents=True, exist_ok=True)
@@ -208,8 +210,6 @@ def run(a: argparse.Namespace) -> int:
     for note in check(a):
         _log(note)
     options = load_options(a, n_seq=a.parallel, progress=sys.stderr.isatty())
-    if a.chat_template_file is not None:
-        _read_text(a.chat_template_file)  # a missing template is an error before the model loads
     if a.mmproj is not None:
         check_mmproj(a.mmproj, a.model)  # another model's mmproj too
     try:
@@ -220,9 +220,9 @@ def run(a: argparse.Namespace) -> int:
     _log(f"server is up on {service.address}; loading {a.model} (/health answers 503 until it is loaded)")
     try:
         model = load(a.model, options)
-    except (KeyboardInterrupt, Interrupted):
+    except KeyboardInterrupt as exc:  # Interrupted too: its signal (a plain KeyboardInterrupt is a Ctrl-C)
         service.stop()
-        _log("stopped while loading the model")
+        _log(f"stopping ({signal.Signals(getattr(exc, 'signum', signal.SIGINT)).name}) while loading the model")
         return 0
     except BaseException:
         service.stop()

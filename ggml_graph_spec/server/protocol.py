@@ -15,7 +15,7 @@ from gguf_arch.errors import KimiError
 
 from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP,
                                    DEFAULT_TOP_K, DEFAULT_TOP_P, SamplingParams)
-from ..text.chat_template import ChatTemplate
+from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, reserved_kwargs
 from ..text.tokenizer import BPETokenizer
 from ..vision.preprocess import MediaItem
 from .errors import bad_request
@@ -216,8 +216,10 @@ def chat_prompt(body: Mapping[str, Any], template: ChatTemplate, tokenizer: BPET
         raise bad_request("'messages' is required: a non-empty list of messages")
     checked, items = image_parts([_message(m, i) for i, m in enumerate(messages)], vision)
     kwargs = get_field(body, "chat_template_kwargs", (dict,), "an object", {})
-    if {"messages", "add_generation_prompt"} & set(kwargs):
-        raise bad_request("'chat_template_kwargs' may not set 'messages' or 'add_generation_prompt'")
+    reserved = reserved_kwargs(kwargs)
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(map(repr, reserved))} (reserved: "
+                          f"{', '.join(RESERVED_KWARGS)})")
     text = _render(lambda: template.render(checked, add_generation_prompt=True, **kwargs))
     return tokenizer.encode(text), items
 

@@ -1,13 +1,13 @@
 """Chat templates: the Jinja template of a GGUF (or a file) rendered as Hugging Face renders it,
-in Jinja's sandbox; the CLI's conversations and the server's chat requests both use it."""
+in a bounded sandbox (time, sizes, depth); the CLI's conversations and the server's chat requests
+both use it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-import jinja2
-
-from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE, compile_template
+from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
+from gguf_arch.arch.template_sandbox import compile_template, render
 from gguf_arch.io.console import UsageError
 
 from .tokenizer import BPETokenizer
@@ -19,8 +19,20 @@ _TAG_START = ("<|open|>", "<|close|>")
 _TAG_END = "<|sep|>"
 
 
+# The variables every rendering gets from the model and the caller: a template kwarg of the same
+# name (--chat-template-kwargs, a request's chat_template_kwargs) would collide with them.
+RESERVED_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def reserved_kwargs(names: Iterable[str]) -> list[str]:
+    """Those of `names` that a template kwarg may not set (RESERVED_KWARGS), in that order."""
+    given = set(names)
+    return [k for k in RESERVED_KWARGS if k in given]
+
+
 class ChatTemplate:
-    """A chat template compiled in the sandbox, rendered as Hugging Face renders it."""
+    """A chat template compiled in the bounded sandbox (gguf_arch/arch/template_sandbox.py),
+    rendered as Hugging Face renders it: any failure, a bound included, is one line naming it."""
 
     def __init__(self, text: str, where: str, tokenizer: BPETokenizer, kwargs: Mapping[str, Any]) -> None:
         self.where = where
@@ -32,24 +44,20 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
         """kwargs: template variables for this rendering only (a server request's
         chat_template_kwargs), over those given at construction."""
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **{**self._context, **kwargs})
-        except jinja2.TemplateError as exc:  # raise_exception, sandbox violations, undefined names
-            raise UsageError(f"{self.where}: chat template: {exc.message or exc}") from None
-        except RecursionError:  # a macro calling itself without end
-            raise UsageError(f"{self.where}: chat template: recursion too deep") from None
+        return render(self._template, self.where, UsageError, messages=list(messages),
+                      add_generation_prompt=add_generation_prompt, **{**self._context, **kwargs})
 
 
-def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: Path | None,
-                  kwargs: Mapping[str, Any], read_text: Callable[[Path], str]) -> tuple[ChatTemplate, str]:
-    """--chat-template-file, else the GGUF's tokenizer.chat_template, else the built-in K3 template;
-    with a line saying which."""
+def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: tuple[Path, str] | None,
+                  kwargs: Mapping[str, Any], gguf: Path | str = "the GGUF") -> tuple[ChatTemplate, str]:
+    """--chat-template-file (its path and text, read before loading), else the GGUF's
+    tokenizer.chat_template, else the built-in K3 template; with a line saying which."""
     if file is not None:
-        return ChatTemplate(read_text(file), str(file), tokenizer, kwargs), f"chat template: {file}"
+        return ChatTemplate(file[1], str(file[0]), tokenizer, kwargs), f"chat template: {file[0]}"
     text = metadata.get(CHAT_TEMPLATE_KEY)
     if isinstance(text, str):
-        return ChatTemplate(text, CHAT_TEMPLATE_KEY, tokenizer, kwargs), f"chat template: the GGUF's {CHAT_TEMPLATE_KEY}"
+        return (ChatTemplate(text, f"{gguf}: {CHAT_TEMPLATE_KEY}", tokenizer, kwargs),
+                f"chat template: the GGUF's {CHAT_TEMPLATE_KEY}")
     return (ChatTemplate(K3_CHAT_TEMPLATE, "built-in K3 template", tokenizer, kwargs),
             f"chat template: the GGUF has no {CHAT_TEMPLATE_KEY}; using the built-in K3 template")
 

@@ -43,6 +43,17 @@ def _outside_byte_form() -> regex.Pattern:
     return regex.compile("[^" + "".join(map(regex.escape, byte_to_unicode().values())) + "]")
 
 
+def _check_special_ids(reader: GGUFReader) -> None:
+    """Every special token id the file names (BOS, EOS, EOT, padding, unknown, ...: gguf-py's
+    `tokenizer.ggml.*_token_id` keys) is a token of its vocabulary."""
+    n = len(reader.fields[Keys.Tokenizer.LIST].data) if Keys.Tokenizer.LIST in reader.fields else 0
+    for key in reader.fields:
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            tid = _field(reader, key)
+            if not isinstance(tid, int) or not 0 <= tid < n:
+                raise GGUFError(f"{key} {tid!r} is outside the {n} tokens of {Keys.Tokenizer.LIST}")
+
+
 class BPETokenizer:
     """Encode text to token ids and decode them back, as llama.cpp does for a `kimi-k2` vocabulary."""
 
@@ -79,6 +90,7 @@ class BPETokenizer:
         if model != GGUF_TOKENIZER_MODEL:
             raise GGUFError(f"{Keys.Tokenizer.MODEL} is {model!r}, expected {GGUF_TOKENIZER_MODEL!r} (byte-level BPE)")
         add_bos = _field(reader, Keys.Tokenizer.ADD_BOS, required=False)
+        _check_special_ids(reader)
         return cls(_field(reader, Keys.Tokenizer.LIST), _field(reader, Keys.Tokenizer.TOKEN_TYPE),
                    _field(reader, Keys.Tokenizer.MERGES), pre=_field(reader, Keys.Tokenizer.PRE),
                    bos_id=_field(reader, Keys.Tokenizer.BOS_ID, required=False),

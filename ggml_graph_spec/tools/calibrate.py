@@ -21,6 +21,10 @@ Exit codes: 0 written; 1 runtime failure (an output exists without --overwrite, 
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import sys
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from tqdm import tqdm
 
 from gguf_arch.arch.tensors import OUTPUT, ROUTED_EXPERTS, gguf_layer, layer_name
 from gguf_arch.errors import KimiError, run_cli
+from gguf_arch.io.console import ArgumentParser, output_file
 from gguf_arch.io.output_paths import guard_outputs
 from gguf_arch.io.imatrix import ImatrixAccumulator, write_imatrix
 from gguf_arch.io.jsonfile import read_text
@@ -48,11 +53,6 @@ DEFAULT_CHUNK = 512  # llama-imatrix's -c default
 
 class UsageError(KimiError):
     """A command-line argument is malformed or inconsistent (exit code 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,12 @@ class Calibration:
 # ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kimi-k3-calibrate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="kimi-k3-calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", type=Path, required=True, help="the kimi-k3 GGUF to calibrate")
     p.add_argument("-f", "--file", dest="files", action="append", type=parse_file_arg, required=True,
                    metavar="FILE[:TAG]", help="a UTF-8 calibration text (repeatable); TAG groups statistics")
-    p.add_argument("-o", "--output", type=Path, required=True, help="the saliency JSON to write")
-    p.add_argument("--imatrix", type=Path, metavar="OUT.gguf", help="also write llama.cpp's importance matrix")
+    p.add_argument("-o", "--output", type=output_file, required=True, help="the saliency JSON to write")
+    p.add_argument("--imatrix", type=output_file, metavar="OUT.gguf", help="also write llama.cpp's importance matrix")
     p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CHUNK, help=f"tokens per chunk ({DEFAULT_CHUNK})")
     p.add_argument("--chunks", type=int, default=-1, help="at most N chunks per file (default: all)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")

@@ -11,9 +11,14 @@ misses, predicted as if the router chose every expert equally often (BudgetPlan)
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Sequence
@@ -21,7 +26,8 @@ from typing import Sequence
 import psutil
 
 from gguf_arch.errors import run_cli
-from gguf_arch.io.console import ArgumentParser
+from gguf_arch.io.console import ArgumentParser, UsageError
+from gguf_arch.io.jsonfile import NotRegularFile, open_regular
 
 from ..backends.streaming.budget import PRESETS, BudgetError, plan_budget
 from ..weights.host import MODEL_SHARE, cgroup_limit, usable_memory
@@ -37,7 +43,7 @@ def read_speed(paths: Sequence[str]) -> float:
     other (of a split GGUF: its first files), bounded in bytes and time, uncached."""
     done, start = 0, time.perf_counter()
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(Path(path))  # never a FIFO (a wait) or a device (/dev/zero: no disk at all)
         try:
             os.posix_fadvise(fd, 0, _READ_BYTES, os.POSIX_FADV_DONTNEED)
             offset = 0
@@ -57,8 +63,8 @@ def report(path: Path, disk: Path | None = None) -> list[str]:
     speed is measured on the GGUF's files, or on `disk` (a large file on the disk the GGUF is or
     will be on: a listing's GGUF may not exist yet)."""
     layout = listing_layout(path) if is_listing(path) else gguf_layout(path)
-    speed_from = [str(disk)] if disk is not None else [] if layout.planned else layout.paths
-    speed = read_speed(speed_from) if speed_from else None
+    speed_from = _disk_files(disk, layout) if disk is not None else [] if layout.planned else layout.paths
+    speed = _speed(speed_from)
     mem, limit, usable = psutil.virtual_memory(), cgroup_limit(), usable_memory()
     where = Path(layout.paths[0]).resolve().parent
     lines = [f"RAM          {mem.total} bytes, {mem.available} available" +
@@ -71,6 +77,35 @@ def report(path: Path, disk: Path | None = None) -> list[str]:
              + (f" (planned by {path})" if layout.planned else "")]
     lines += _presets(layout, speed, usable)
     return lines
+
+
+def _disk_files(disk: Path, layout: ModelLayout) -> list[str]:
+    """--disk: a regular file, or the GGUF's own directory (its files, then); anything else is
+    refused by name, never read (a FIFO would block, /dev/zero would time no disk at all)."""
+    try:
+        st = os.stat(disk)
+    except OSError as exc:
+        raise UsageError(f"--disk {disk}: cannot be read: {exc.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        if not layout.planned and os.path.samefile(disk, Path(layout.paths[0]).parent):
+            return layout.paths
+        raise UsageError(f"--disk {disk}: is a directory; give a large file on the disk to measure (or the GGUF's "
+                         "own directory)")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"--disk {disk}: is not a regular file (a FIFO, socket or device); give a large file on "
+                         "the disk to measure")
+    if st.st_size == 0:
+        raise UsageError(f"--disk {disk}: is empty: nothing to time; give a large file on the disk to measure")
+    return [str(disk)]
+
+
+def _speed(paths: Sequence[str]) -> float | None:
+    if not paths:
+        return None
+    try:
+        return read_speed(paths)
+    except (NotRegularFile, FileNotFoundError, IsADirectoryError) as exc:  # replaced since it was checked
+        raise UsageError(f"{exc.filename or paths[0]}: cannot be measured ({exc})") from None
 
 
 def _free_disk(where: Path, needed: int | None) -> str:

@@ -11,9 +11,13 @@ anything is computed; the output is written whole or not at all.
 
 Exit codes: 0 done, 2 bad input (an unreadable, truncated, too large or unsupported image, an
 mmproj that is not a Kimi K3 one, bad arguments), 1 a runtime failure (the output exists without
---overwrite, an I/O error).
+--overwrite, an I/O error), 130 / 143 / 129 SIGINT / SIGTERM / SIGHUP (nothing written).
 """
 from __future__ import annotations
+
+from gguf_arch.errors.signals import install
+
+install("no output written")  # first: a stop signal during the imports below is the documented line and code
 
 import argparse
 from pathlib import Path
@@ -23,7 +27,7 @@ import numpy as np
 
 from gguf_arch.errors import run_cli
 from gguf_arch.io.atomic import write_atomically
-from gguf_arch.io.console import ArgumentParser
+from gguf_arch.io.console import ArgumentParser, output_file
 from gguf_arch.io.output_paths import guard_outputs
 
 from ..vision.encode import VisionEncoder
@@ -37,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("images", type=Path, nargs="*", metavar="IMAGE", help="PNG, JPEG or WebP files")
     p.add_argument("--video", action="append", default=[], metavar="F0,F1,...",
                    help="the frames of one clip, comma-separated (repeatable)")
-    p.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.npz", help="where to save the rows")
+    p.add_argument("-o", "--output", type=output_file, required=True, metavar="OUT.npz", help="where to save the rows")
     p.add_argument("--overwrite", action="store_true", help="replace OUT.npz if it exists")
     p.add_argument("--fast", action="store_true",
                    help="the weights as stored (BF16 matmuls, ggml's table GELU) instead of F32 everywhere")

@@ -29,6 +29,10 @@ Exit codes: 0 written; 1 runtime failure (OUT exists without --overwrite, I/O er
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import dataclasses
 import os
@@ -46,6 +50,7 @@ from gguf_arch.arch.keys import config_from_metadata
 from gguf_arch.arch.pruned import Kept, is_per_expert, kept_keys, read_kept
 from gguf_arch.arch.tensors import gguf_layer
 from gguf_arch.errors import GGUFError, KimiError, run_cli
+from gguf_arch.io.console import ArgumentParser, output_file
 from gguf_arch.io.output_paths import OutputPaths
 from gguf_arch.io.gguf_file import open_gguf
 from gguf_arch.io.gguf_writer import KV, GGUFLayout, OutputTensor, write_gguf
@@ -231,15 +236,10 @@ def prune_gguf(src: SourceGGUF, out: Path, local: Kept, *, overwrite: bool = Fal
 
 # ---- command line ----------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise PlanError(f"{self.prog}: {message}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kimi-k3-prune", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="kimi-k3-prune", description=__doc__.split("\n\n")[0])
     p.add_argument("input", type=Path, metavar="IN.gguf")
-    p.add_argument("output", type=Path, metavar="OUT.gguf")
+    p.add_argument("output", type=output_file, metavar="OUT.gguf")
     p.add_argument("--saliency", type=Path, metavar="S.json", help="kimi-k3-calibrate's saliency file")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--keep-experts", type=int, metavar="N", help="keep the N most salient experts per layer")

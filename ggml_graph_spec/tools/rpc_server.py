@@ -11,6 +11,10 @@ must not run under it.
 """
 from __future__ import annotations
 
+from gguf_arch.errors.signals import install
+
+install("RPC server stopped")  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import ctypes
 import errno

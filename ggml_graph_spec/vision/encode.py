@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from gguf_arch.arch.vision import VisionConfig
+from gguf_arch.errors.signals import native_call
 from gguf_arch.io.console import cpu_count
 
 from .preprocess import MediaItem, load_media, media_item
@@ -78,7 +79,8 @@ class VisionEncoder:
             raise MemoryError("ggml-alloc could not allocate the vision graph")
         for t, value in g.inputs:
             ggml.ggml_backend_tensor_set(t, value.ctypes.data_as(ctypes.c_void_p), 0, value.nbytes)
-        status = ggml.ggml_backend_graph_compute(self.backend, g.gf)
+        with native_call():  # seconds of C for a large image: a stop signal ends the process at once
+            status = ggml.ggml_backend_graph_compute(self.backend, g.gf)
         if status != ggml.GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
 

@@ -25,15 +25,11 @@ supported, rather than being dropped.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from ..errors import KimiError, TokenizerError
+from ..errors import TokenizerError
 from ..io.jsonfile import read_json, read_text
+from .template_sandbox import compile_template, render
 
 TEMPLATE_FILE = "chat_template.jinja"
 
@@ -87,37 +83,6 @@ Now the system is invoked with `thinking_effort={{ effort }}`.
 """
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = True, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # The keyword arguments of the tojson that Hugging Face templates are written against (jinja2's
-    # own tojson takes only indent).
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    # As Hugging Face renders chat templates: sandboxed (a template from a file cannot reach Python
-    # objects' internals), trim_blocks and lstrip_blocks, loop controls, raise_exception.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                                        undefined=jinja2.Undefined)
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env
-
-
-def compile_template(text: str, where: str, error: type[KimiError] = KimiError) -> jinja2.Template:
-    """The template compiled in the sandbox; `error` names `where` and the line of a syntax error."""
-    try:
-        return _environment().from_string(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise error(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
-    except RecursionError:  # jinja's parser recurses on nesting: a file can make it overflow
-        raise error(f"{where}: chat template nested too deeply") from None
-
-
 def _from_tokenizer_config(path: Path) -> str | None:
     if not path.is_file():
         return None
@@ -131,18 +96,29 @@ def _from_tokenizer_config(path: Path) -> str | None:
     return value
 
 
-def checkpoint_chat_template(model_dir: Path, tokenizer_config: Path) -> str | None:
-    """The checkpoint's own template: chat_template.jinja first, as transformers reads it, then
-    tokenizer_config.json's chat_template; None when it has neither."""
+def checkpoint_chat_template(model_dir: Path, tokenizer_config: Path) -> tuple[str, Path] | None:
+    """The checkpoint's own template and the file it is in: chat_template.jinja first, as
+    transformers reads it, then tokenizer_config.json's chat_template; None when it has neither."""
     jinja_file = Path(model_dir) / TEMPLATE_FILE
     if jinja_file.exists():
-        return read_text(jinja_file, TokenizerError, "not found")
-    return _from_tokenizer_config(tokenizer_config)
+        return read_text(jinja_file, TokenizerError, "not found"), jinja_file
+    text = _from_tokenizer_config(tokenizer_config)
+    return None if text is None else (text, tokenizer_config)
 
 
-def gguf_chat_template(model_dir: Path, tokenizer_config: Path) -> str:
-    """What the converter writes to tokenizer.chat_template, checked to compile."""
+# A conversation every chat template renders: user and assistant alternate, no system message
+# (some templates refuse one), and a generation prompt after the last user turn.
+SAMPLE_CONVERSATION = ({"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello! How can I help?"},
+                       {"role": "user", "content": "Name a colour."})
+
+
+def gguf_chat_template(model_dir: Path, tokenizer_config: Path, bos: str = "", eos: str = "") -> str:
+    """What the converter writes to tokenizer.chat_template: compiled, and rendered once on
+    SAMPLE_CONVERSATION, so that a template that fails (a runtime error, a bound) is refused here,
+    naming its file, rather than written into a GGUF for every runtime to trip on."""
     own = checkpoint_chat_template(model_dir, tokenizer_config)
-    text, where = (K3_CHAT_TEMPLATE, "built-in K3 template") if own is None else (own, str(model_dir))
-    compile_template(text, where, TokenizerError)
+    text, where = (K3_CHAT_TEMPLATE, "built-in K3 template") if own is None else (own[0], str(own[1]))
+    template = compile_template(text, where, TokenizerError)
+    render(template, where, TokenizerError, messages=list(SAMPLE_CONVERSATION), add_generation_prompt=True,
+           bos_token=bos, eos_token=eos)
     return text

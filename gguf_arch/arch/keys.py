@@ -232,6 +232,10 @@ def _read_fields(meta: Mapping[str, Any], keys: tuple[Key, ...], where: str) -> 
         value = meta.get(key, -1)
         if not _is_type(T.UINT32, value):
             raise GGUFError(f"{where}: metadata {key} is {value!r}, expected a token id")
+        vocab = got.get("vocab_size")
+        # A vocabulary of no tokens is the vocab_size key's own error (its range, checked next).
+        if value != -1 and isinstance(vocab, int) and vocab > 0 and value >= vocab:
+            raise GGUFError(f"{where}: metadata {key} is {value}, outside the vocabulary (ids 0..{vocab - 1})")
         got[field] = value
     return got
 

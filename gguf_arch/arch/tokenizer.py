@@ -281,5 +281,7 @@ def tokenizer_metadata(model_dir: Path, cfg: K3Config) -> list[tuple[str, Any, T
         *[(id_keys[name], ids[name], T.UINT32, None) for name in _SPECIAL_NAMES if name in ids],
         (Keys.Tokenizer.ADD_BOS, specials.add_bos, T.BOOL, None),
         (Keys.Tokenizer.ADD_EOS, specials.add_eos, T.BOOL, None),
-        (Keys.Tokenizer.CHAT_TEMPLATE, gguf_chat_template(model_dir, model_dir / TOKENIZER_CONFIG_FILE), T.STRING, None),
+        (Keys.Tokenizer.CHAT_TEMPLATE, gguf_chat_template(model_dir, model_dir / TOKENIZER_CONFIG_FILE,
+                                                          texts[ids["bos"]] if "bos" in ids else "", texts[eos]),
+         T.STRING, None),
     ]

@@ -83,6 +83,8 @@ def left_behind(files: list[OutputFile], todo: list[OutputFile], done: list[Outp
         what = "no output written (its partial file was removed)"
     elif not finished:
         what = f"none of the {len(files)} parts complete (the partial file was removed)"
+    elif len(files) == 1:
+        what = f"{files[0].path.name} is complete with its manifest (the interrupt came after it)"
     else:
         names = ", ".join(f.path.name for f in finished)
         what = f"{len(finished)} of {len(files)} parts complete with their manifests ({names})"

@@ -17,11 +17,12 @@ from ..arch.keys import ARCH
 from ..arch.mmproj import ARCH as MMPROJ_ARCH
 from ..arch.vision import load_vision_config
 from ..arch.transforms import tensor_chunks
-from ..errors import Interrupted
+from ..errors import Interrupted, KimiError
+from ..errors.signals import deferred
 from ..io.gguf_writer import KV, GGUFLayout, OutputTensor, tensor_offsets, write_gguf
 from ..io.manifest import TensorHasher, write_manifest
 from ..io.output_lock import lock_path, output_lock
-from ..io.output_paths import OutputPaths
+from ..io.output_paths import OutputPaths, names_a_directory
 from ..io.pipeline import Lookahead
 from ..io.safetensors import open_checkpoint
 from ..io.split import SplitLimits, split_layout
@@ -185,8 +186,9 @@ def _write_all(p: _Planned, ckpt, output: OutputOptions, replace: bool, log) -> 
                         log_json=output.log_json, replace=replace)
     done: list[OutputFile] = []
     try:
-        _write_files(p.todo, source_chunks, progress, output, replace, log, done)
-    except (KeyboardInterrupt, Interrupted) as exc:
+        with deferred():  # a stop signal waits for the next chunk or file (signals.deferred)
+            _write_files(p.todo, source_chunks, progress, output, replace, log, done)
+    except KeyboardInterrupt as exc:  # Interrupted too
         raise Interrupted.from_exc(exc, left_behind(p.files, p.todo, done)) from None
     finally:
         source_chunks.close()
@@ -209,6 +211,9 @@ def convert(model_dir: Path | str, out: Path | str | None, *, overwrite: bool = 
     """Convert a checkpoint directory to one GGUF file (or split parts), and with `mmproj` its vision
     tower and projector to an mmproj GGUF too (out None: the mmproj only). Both are planned before
     either is written. Returns the text conversion's ledger counts (the mmproj's when out is None)."""
+    for what, given in (("the GGUF", out), ("the mmproj", mmproj and mmproj.path)):
+        if given is not None and names_a_directory(given):
+            raise KimiError(f"{given}: names a directory; give {what} a file name")
     model_dir = Path(model_dir)
     outs = ([("the GGUF", Path(out))] if out is not None else []) + \
         ([("the mmproj", mmproj.path)] if mmproj is not None else [])

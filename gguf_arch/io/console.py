@@ -11,11 +11,13 @@ import argparse
 import os
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from tqdm import tqdm
 
 from ..errors import KimiError
+from .output_paths import names_a_directory
 
 PACKAGE = "kimi-k3-gguf"
 
@@ -34,6 +36,39 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extra = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            bad = _undecodable(getattr(parsed, action.dest, None)) if action.type is not Path else None
+            if bad is not None:
+                name = "/".join(action.option_strings) or action.metavar or action.dest
+                self.error(f"{name}: {bad!r} is not valid UTF-8 text (the byte {_first_byte(bad)}); "
+                           "text options take UTF-8")
+        return parsed, extra
+
+
+def _undecodable(value: Any) -> str | None:
+    """The first string in `value` (a string, or the items of a list or tuple) holding bytes that
+    were not UTF-8: Python decodes such command-line bytes to lone surrogates. A path (type=Path)
+    may hold them, as Linux allows; text given to the model, a template or a key may not."""
+    if isinstance(value, str):
+        return value if any("\udc80" <= c <= "\udcff" for c in value) else None
+    if isinstance(value, (list, tuple)):
+        return next((bad for v in value if (bad := _undecodable(v)) is not None), None)
+    return None
+
+
+def _first_byte(text: str) -> str:
+    return next(f"0x{ord(c) - 0xdc00:02x}" for c in text if "\udc80" <= c <= "\udcff")
+
+
+def output_file(text: str) -> Path:
+    """argparse type of an output FILE: a name ending in a path separator (or `.`, `..`) names a
+    directory, and Path() would silently drop the slash and write a file of that name."""
+    if names_a_directory(text):
+        raise argparse.ArgumentTypeError(f"{text!r} names a directory; give the output file's name")
+    return Path(text)
 
 
 def cpu_count() -> int:

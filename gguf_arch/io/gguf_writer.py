@@ -27,6 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import WriterState
 
 from ..errors import KimiError, OutputError
+from ..errors.signals import checkpoint, deferred
 from .atomic import removed_on_failure
 from .direct_io import SequentialWriter
 from .gguf_file import row_nbytes
@@ -139,6 +140,7 @@ def _write_data(fout, layout: GGUFLayout, alignment: int, chunks_for: Callable[[
         for t in layout.tensors:
             written = 0
             for chunk in chunks_for(t):
+                checkpoint()  # a stop signal is raised here, between two chunks (signals.deferred)
                 writer.submit(fout.write, chunk)
                 written += memoryview(chunk).nbytes
             if written != t.nbytes:
@@ -167,7 +169,9 @@ def write_gguf(out: Path, layout: GGUFLayout, chunks_for: Callable[[OutputTensor
         fout = create(tmp, overwrite)  # never through a link planted at the partial name
     except OSError as exc:
         raise OutputError(f"writing {out} failed: {exc}") from None
-    with removed_on_failure(tmp, out):
+    # The main thread waits on the reader, writer and hasher threads here: a stop signal raised
+    # inside threading's own code would break a lock, so it waits for the next chunk (deferred).
+    with removed_on_failure(tmp, out), deferred():
         with fout, SequentialWriter(fout.fileno()) as w:
             w.write(header)
             _write_data(w, layout, GGUF_DEFAULT_ALIGNMENT, chunks_for)

@@ -30,6 +30,13 @@ MANIFEST_SUFFIX = ".manifest.json"
 LEGACY_MANIFEST_SUFFIX = ".sha256.json"  # manifests written before BLAKE3 (still read: io.manifest)
 
 
+def names_a_directory(path: Path | str) -> bool:
+    """A path given as text that ends in a separator (`out/`) or in `.` or `..` names a directory,
+    even where none exists yet: Path("out/") is Path("out"), a file name, so it is caught here."""
+    text = os.fspath(path)
+    return isinstance(path, str) and (text.endswith(os.sep) or os.path.basename(text) in ("", ".", ".."))
+
+
 def partial_path(out: Path) -> Path:
     return out.with_name(out.name + PARTIAL_SUFFIX)
 
@@ -82,6 +89,8 @@ class OutputPaths:
         self.resumable = resumable  # the tool has --resume: the messages point to it
 
     def add(self, path: Path | str, what: str, *, replace: bool, written: bool = True) -> None:
+        if names_a_directory(path):
+            raise KimiError(f"{path}: names a directory; give {what} a file name")
         self.outputs.append(Output(Path(path), what, replace, written))
 
     def add_gguf(self, path: Path, what: str, *, replace: bool, written: bool = True) -> None:

@@ -14,6 +14,10 @@ at any size. Same arguments, byte-identical files.
 """
 from __future__ import annotations
 
+from ..errors.signals import install
+
+install()  # first: a stop signal during the imports below is the documented line and code
+
 import argparse
 import json
 import sys

@@ -20,11 +20,14 @@ Exit codes follow cmp(1): 0 every tensor matches, 1 a difference, 2 bad input (e
 """
 from __future__ import annotations
 
+from ..errors.signals import install
+
+install()  # first: a stop signal during the imports below ends as documented
+
 import argparse
 import dataclasses
 import itertools
 import json
-import mmap
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,12 +41,11 @@ from ..arch.config import K3Config
 from ..arch.keys import ARCH, EXPERT_COUNT
 from ..arch.pruned import is_per_expert, read_kept, select_experts
 from ..arch.tensors import PlannedTensor
-from ..errors import CheckpointError, GGUFError, KimiError, run_cli
+from ..errors import CheckpointError, KimiError, run_cli
 from ..io.console import ArgumentParser, task_bar
-from ..io.gguf_file import open_gguf, row_nbytes
 from ..io.safetensors import Checkpoint, open_checkpoint
-from ..io.split_names import part_paths
 from .bounds import BOUNDS
+from .gguf_rows import GGUFRows, releasing
 from .plans import ModelPlan, model_plan
 from .reference import REFERENCES, Chunk, Source, exact_type
 
@@ -116,44 +118,6 @@ class DiffReport:
                 "counts": self.counts(), "tensors": [asdict(t) for t in self.tensors]}
 
 
-class _GGUF:
-    """The GGUF's tensors by name, and their bytes one row range at a time. Given the first part
-    of a split, every part (split_names.part_paths, as --verify and the runner read them)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        first = self.reader = open_gguf(path)
-        self.readers = [first] + [open_gguf(p) for p in part_paths(path, first)[1:]]
-        self.tensors: dict = {}
-        self._reader_of: dict = {}
-        for reader in self.readers:
-            for t in reader.tensors:
-                if t.name in self.tensors:
-                    raise GGUFError(f"{path}: tensor {t.name!r} appears in two parts of the split")
-                self.tensors[t.name], self._reader_of[t.name] = t, reader
-
-    def rows(self, name: str, first: int, count: int) -> np.ndarray:
-        t = self.tensors[name]
-        row_bytes = row_nbytes(t.tensor_type, int(t.shape[0]))
-        start = t.data_offset + first * row_bytes
-        data = self._reader_of[name].data
-        return np.asarray(data[start: start + count * row_bytes]).reshape(count, row_bytes)
-
-    def release_pages(self) -> None:
-        # np.memmap keeps its mmap.mmap as the array's base; the pages stay in the page cache.
-        for reader in self.readers:
-            reader.data.base.madvise(mmap.MADV_DONTNEED)
-
-
-def _releasing(chunks: Iterable[Chunk], gguf: _GGUF) -> Iterator[Chunk]:
-    """Pass chunks through; once one is compared, drop the pages it read from the GGUF's map.
-    Without this every page read stays in the RSS: a whole-model diff would hold the GGUF (the
-    checkpoint is read with pread into buffers that go with their chunk)."""
-    for chunk in chunks:
-        yield chunk
-        gguf.release_pages()
-
-
 def _first_mismatch(plan: PlannedTensor, chunk: Chunk, bad: np.ndarray, expected: np.ndarray,
                     found: np.ndarray) -> Mismatch:
     r, c = np.unravel_index(int(np.argmax(bad)), bad.shape)
@@ -199,7 +163,7 @@ def _bad_values(expected: np.ndarray, found: np.ndarray, qtype: Q, exact: bool) 
     return ~same
 
 
-def _compare(gguf: _GGUF, plan: PlannedTensor, chunks: Iterable[Chunk], qtype: Q, exact: bool) -> list[Mismatch]:
+def _compare(gguf: GGUFRows, plan: PlannedTensor, chunks: Iterable[Chunk], qtype: Q, exact: bool) -> list[Mismatch]:
     """First mismatch of the tensor, or of each unit (expert) when the chunks name units."""
     found_bad: list[Mismatch] = []
     for chunk in chunks:
@@ -240,7 +204,7 @@ def read_sources(ckpt: Checkpoint, plan: PlannedTensor) -> list[Source]:
     return [_source(ckpt, name, shape, spec.dtypes) for (name, shape), spec in zip(plan.sources, specs)]
 
 
-def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
+def _diff_one(ckpt: Checkpoint, gguf: GGUFRows, cfg: K3Config, plan: PlannedTensor,
               intended: Mapping[str, str], kept: tuple[int, ...] | None = None) -> TensorDiff:
     """kept: for a per-expert tensor of a pruned GGUF, the original ids of the experts it holds."""
     t = gguf.tensors[plan.name]
@@ -264,7 +228,7 @@ def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
     if problem:
         return result(TYPE, problem)
     exact = qtype == want
-    mismatches = _compare(gguf, plan, _releasing(references, gguf), qtype, exact)
+    mismatches = _compare(gguf, plan, releasing(references, gguf), qtype, exact)
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_MAX_UNITS_SHOWN])
         more = f"; and {len(mismatches) - _MAX_UNITS_SHOWN} more" if len(mismatches) > _MAX_UNITS_SHOWN else ""
@@ -275,7 +239,7 @@ def _diff_one(ckpt: Checkpoint, gguf: _GGUF, cfg: K3Config, plan: PlannedTensor,
 
 # ---- the diff over a layer selection --------------------------------------------------------
 
-def _pruned_experts(gguf: _GGUF, cfg: K3Config) -> dict[int, tuple[int, ...]]:
+def _pruned_experts(gguf: GGUFRows, cfg: K3Config) -> dict[int, tuple[int, ...]]:
     """The kept experts of a GGUF made by kimi-k3-prune (arch/pruned.py); {} when unpruned."""
     f = gguf.reader.fields
     meta = {k: f[k].contents() for k in f if k.startswith(ARCH)}
@@ -315,10 +279,10 @@ def iter_tensor_diffs(model_dir: Path | str, gguf_path: Path | str, layers: Iter
     mp = model_plan(model_dir, gguf_path)
     chosen = set(select_layers(mp.cfg, layers))
     with open_checkpoint(model_dir) as ckpt:
-        yield from _diffs(ckpt, _GGUF(Path(gguf_path)), mp, chosen, include_globals, intended_types or {})
+        yield from _diffs(ckpt, GGUFRows(Path(gguf_path)), mp, chosen, include_globals, intended_types or {})
 
 
-def _diffs(ckpt: Checkpoint, gguf: _GGUF, mp: ModelPlan, chosen: set[int], include_globals: bool,
+def _diffs(ckpt: Checkpoint, gguf: GGUFRows, mp: ModelPlan, chosen: set[int], include_globals: bool,
            intended: Mapping[str, str]) -> Iterator[TensorDiff]:
     cfg, kept = mp.cfg, {} if mp.is_mmproj else _pruned_experts(gguf, mp.cfg)
     expected: set[str] = set()
@@ -347,6 +311,7 @@ def diff_gguf(model_dir: Path | str, gguf_path: Path | str, layers: Iterable[int
     cfg = model_plan(model_dir, gguf_path).cfg
     report = DiffReport(str(model_dir), str(gguf_path), select_layers(cfg, layers))
     report.tensors.extend(iter_tensor_diffs(model_dir, gguf_path, report.layers, include_globals, intended_types))
+    _compared_something(report, include_globals)
     return report
 
 
@@ -356,9 +321,19 @@ def _parse_layers(text: str) -> list[int] | None:
     if text.strip().lower() == "all":
         return None
     try:
-        return [int(p) for p in text.split(",") if p.strip()]
+        layers = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise KimiError(f"--layers must be 'all' or comma-separated 0-based layer numbers, got {text!r}") from None
+        layers = []
+    if not layers:
+        raise KimiError(f"--layers must be 'all' or comma-separated 0-based layer numbers, got {text!r}")
+    return layers
+
+
+def _compared_something(report: DiffReport, include_globals: bool) -> None:
+    """A diff that compared no tensor proves nothing: never "all match" for it."""
+    if not report.tensors:
+        scope = f"layers {list(report.layers)}" + (" and the globals" if include_globals else "")
+        raise KimiError(f"{report.gguf}: no tensor to compare in {scope} (nothing was checked)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -366,8 +341,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="kimi-k3-diff",
         description="Compare a kimi-k3 GGUF (or mmproj) tensor by tensor with the HF checkpoint it came from. "
                     "Exit 0: everything matches; 1: a difference; 2: bad input.")
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HF checkpoint directory (config.json + safetensors shards)")
-    parser.add_argument("gguf", metavar="GGUF", help="the converted GGUF file")
+    parser.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="HF checkpoint directory (config.json + safetensors shards)")
+    parser.add_argument("gguf", type=Path, metavar="GGUF", help="the converted GGUF file")
     parser.add_argument("--layers", default="all", help="'all' (default) or 0-based layers, e.g. 0,3,12")
     parser.add_argument("--no-globals", action="store_true",
                         help="leave out token_embd, output and the other globals")
@@ -378,7 +353,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     mp = model_plan(args.model_dir, args.gguf)
-    report = DiffReport(args.model_dir, args.gguf, select_layers(mp.cfg, _parse_layers(args.layers)))
+    report = DiffReport(str(args.model_dir), str(args.gguf), select_layers(mp.cfg, _parse_layers(args.layers)))
     in_scope = [p for p in mp.tensors() if _in_scope(p.layer, set(report.layers), not args.no_globals)]
     with task_bar("comparing", len(in_scope), enabled=sys.stderr.isatty()) as bar:
         for diff in iter_tensor_diffs(args.model_dir, args.gguf, report.layers, not args.no_globals):
@@ -386,6 +361,7 @@ def _run(argv: list[str] | None) -> int:
             bar.update()
             if not args.json:
                 bar.write(diff.line(), file=sys.stdout)
+    _compared_something(report, not args.no_globals)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0 if report.ok else DIFFERENCES_EXIT
 

@@ -22,6 +22,7 @@ from gguf_arch.arch.tensors import ATTN_NORM, OUTPUT, TOKEN_EMBD, layer_name
 from ggml_graph_spec.graph.build import F32, GraphBuild, new_tensor
 from ggml_graph_spec.engine.model import Model
 from ggml_graph_spec.graph.placement import INPUT_SEGMENT
+from ggml_graph_spec.backends.rpc.relay import tcp_traffic
 from ggml_graph_spec.backends.rpc.wire import Endpoint, Connection
 from ggml_graph_spec.backends.sched import SchedExecutor
 from tests.support.reference import LOGITS_ATOL, N_CTX, assert_greedy_matches, assert_logits, load_reference
@@ -77,7 +78,8 @@ def _where(t) -> str:
 def test_each_layer_keeps_its_weights_and_state_on_its_device(k31pro_tiny_gguf, servers):
     m = _load(k31pro_tiny_gguf, servers)
     try:
-        a, b = (f"RPC0[{ep}]" for ep in servers.endpoints[:2])  # each server's device 0
+        # each server's device 0, as ggml names it: by the address it connects to (the server's relay)
+        a, b = (f"RPC0[{c.ggml_endpoint.decode()}]" for c in m.devices.connections[:2])
         want = [a] * 5 + [b] * 4 + ["here"] * 4
         assert m.devices.placement.layer_device == (0,) * 5 + (1,) * 4 + (2,) * 4
         for l in range(m.cfg.num_layers):
@@ -166,16 +168,15 @@ class _NoCache:
 
 
 def test_connection_watch_sees_a_closed_socket(servers):
-    """Connection.alive reads ggml's socket state only: a live idle connection is alive, and
-    the same socket after the server went away is not."""
+    """Connection.alive reads the state of the relay's connection to the server only: a live idle
+    connection is alive, and the same connection after the server went away is not."""
     with RpcServers(1) as one:
-        ep = one.endpoints[0]
-        rpc = ggml.ggml_backend_rpc_init(ep.encode(), 0)
+        c = Connection(Endpoint("127.0.0.1", one.ports[0]), "127.0.0.1")
+        rpc = ggml.ggml_backend_rpc_init(c.ggml_endpoint, 0)
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead(), mem_buffer=None,
                                                    no_alloc=True))
         new_tensor(ctx, F32, (8,))
         buffer = ggml.ggml_backend_alloc_ctx_tensors(ctx, rpc)  # holds ggml's connection open
-        c = Connection(Endpoint("127.0.0.1", one.ports[0]), "127.0.0.1")
         c.attach()
         assert c.alive()
         sent, received = c.traffic()
@@ -360,9 +361,7 @@ def test_tcp_info_offsets_are_the_kernels(servers):
         reply = b""
         while len(reply) < 36:
             reply += s.recv(36 - len(reply))
-        c = Connection(ep, "127.0.0.1")
-        c._fd, c._local = s.fileno(), s.getsockname()
-        sent, received = c.traffic()
+        sent, received = tcp_traffic(s)
     # Linux counts the acknowledgement of the SYN in tcpi_bytes_acked: one more than the payload.
     assert (sent, received) == (33 + 1, 36)
 
@@ -421,9 +420,10 @@ def test_decoding_asks_no_allocation_sizes_and_reads_back_only_boundaries(k31pro
 
 
 def test_ggml_failing_to_connect_after_the_handshake_is_one_line(k3_tiny_gguf):
-    """A server that disappears between the handshake and ggml's own connect: ggml aborts in
-    ggml_backend_rpc_init (GGML_ASSERT), the guard reports the server. The handshake is
-    skipped here (a stand-in returns the address) so that nothing listens when ggml connects."""
+    """A server that disappears between the handshake and ggml's own connect: ggml reaches its
+    relay, the relay cannot reach the server and says so (ggml would have aborted in
+    ggml_backend_rpc_init). The handshake is skipped here (a stand-in returns the address) so
+    that nothing listens when ggml connects."""
     from tests.support.rpc_servers import free_port
 
     port = free_port()
@@ -433,10 +433,9 @@ from gguf_arch.errors import run_cli
 from ggml_graph_spec.backends.rpc import devices
 from ggml_graph_spec.engine.model import Model
 
-devices.handshake = lambda ep: "127.0.0.1"
+devices.handshake = lambda ep, timeout: "127.0.0.1"
 sys.exit(run_cli(lambda: Model.load({str(k3_tiny_gguf)!r}, n_ctx=16, n_threads=1, rpc=["127.0.0.1:{port}"],
                                     tensor_split="1,1").close()))
 """)
     assert r.returncode == 1, r.stderr
-    _one_error_line(r.stderr, f"RPC server 127.0.0.1:{port}: connection lost during a ggml call",
-                    "Failed to connect")
+    _one_error_line(r.stderr, f"RPC server 127.0.0.1:{port}: cannot connect: connection refused")

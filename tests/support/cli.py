@@ -29,7 +29,10 @@ class Result:
 
 # The project's command-line tools, by the module whose main() each test runs.
 MODULES = {"convert": "convert_kimi_k3", "cli": "ggml_graph_spec.runner.cli", "diff": "gguf_arch.verify.diff",
-           "synth": "gguf_arch.synth.cli", "encode-images": "ggml_graph_spec.tools.encode_images"}
+           "synth": "gguf_arch.synth.cli", "quantize": "kimi_k3_quantize", "calibrate": "ggml_graph_spec.tools.calibrate",
+           "prune": "ggml_graph_spec.tools.prune", "doctor": "ggml_graph_spec.tools.doctor",
+           "rpc-server": "ggml_graph_spec.tools.rpc_server",
+           "encode-images": "ggml_graph_spec.tools.encode_images", "server": "ggml_graph_spec.server.cli"}
 # Any ggml context or weight buffer made in the child ends it with exit 99: a value reached ggml
 # before it was checked.
 NO_GGML = ("import os, ggml\n"
@@ -56,8 +59,13 @@ def run_cli(*args: str | Path, prelude: str = "", preexec=None, timeout: float =
 
 
 def start_cli(*args: str | Path, prelude: str = "") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", tool_code("convert", prelude), *map(str, args)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_tool("convert", *args, prelude=prelude)
+
+
+def start_tool(tool: str, *args: str | Path, prelude: str = "") -> subprocess.Popen:
+    """One of the tools in a fresh interpreter, running: for a test that signals it."""
+    return subprocess.Popen([sys.executable, "-c", tool_code(tool, prelude), *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
 
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a child of a pytest that has

@@ -4,9 +4,10 @@
 handshake; leaving the `with` block (or `close`) kills whatever is still running. Nothing here
 listens on or connects to anything but 127.0.0.1.
 
-`Proxy` forwards one server's connections, counts the commands and bytes that go through, and
-can close both ends when the client sends its n-th GRAPH_COMPUTE command: a server lost in the
-middle of a ggml call, deterministically.
+`Proxy` forwards one server's connections, counts the commands and bytes that go through, can
+close both ends when the client sends its n-th GRAPH_COMPUTE command (a server lost in the middle
+of a ggml call, deterministically), and can rewrite a command's replies (a server, or anything
+in the middle, that lies).
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from typing import Callable, Mapping
 
+from ggml_graph_spec.backends.rpc.protocol import REPLY_SIZE, reply_size
 from ggml_graph_spec.backends.rpc.wire import COMMANDS, Endpoint, RpcError, handshake, recv_exactly
 
 from .paths import REPO
@@ -108,11 +111,16 @@ class Proxy:
     """A loopback TCP proxy to `target_port` that serves one connection at a time, like the
     server. It counts the client's commands (bytes with their headers, and calls, per command)
     and the bytes coming back; with `cut_at` it drops the connection on the client's cut_at-th
-    GRAPH_COMPUTE (counted over all its connections)."""
+    GRAPH_COMPUTE (counted over all its connections), with `stall_at` it holds it open and
+    silent there; `rewrite` replaces the payload of a command's reply on its way back (command ->
+    function of the request and the reply)."""
 
-    def __init__(self, target_port: int, cut_at: int | None = None):
+    def __init__(self, target_port: int, cut_at: int | None = None,
+                 rewrite: Mapping[str, Callable[[bytes, bytes], bytes]] | None = None, stall_at: int | None = None):
         self._target = (LOOPBACK, target_port)
-        self._cut_at = cut_at
+        self._cut_at, self._stall_at = cut_at, stall_at
+        self._closed = threading.Event()
+        self._rewrite = dict(rewrite or {})
         self.sent: Counter[str] = Counter()  # command -> bytes from the client
         self.calls: Counter[str] = Counter()
         self.received = 0  # bytes from the server
@@ -138,26 +146,15 @@ class Proxy:
             except OSError:
                 return  # closed
             with client, socket.create_connection(self._target) as server:
-                back = threading.Thread(target=self._pump, args=(server, client), daemon=True)
-                back.start()
                 self._forward_commands(client, server)
                 for s in (client, server):
                     try:
                         s.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass  # already closed by the other side
-                back.join(STOP_TIMEOUT_S)
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                self.received += len(data)  # counted before the client can see it
-                dst.sendall(data)
-        except OSError:
-            pass
 
     def _forward_commands(self, client: socket.socket, server: socket.socket) -> None:
-        """Client -> server, one command (cmd byte, u64 size, payload) at a time."""
+        """One command (cmd byte, u64 size, payload) at a time, then its reply if it has one."""
         try:
             while len(header := recv_exactly(client, 9)) == 9:
                 name = COMMANDS[header[0]] if header[0] < len(COMMANDS) else f"unknown {header[0]}"
@@ -165,19 +162,33 @@ class Proxy:
                 self.calls[name] += 1  # counted before the server can answer it
                 if name == "GRAPH_COMPUTE" and self.computes == self._cut_at:
                     return
+                if name == "GRAPH_COMPUTE" and self.computes == self._stall_at:
+                    self._closed.wait()  # a server gone silent in the middle of a graph
+                    return
                 self.sent[name] += 9 + size
-                server.sendall(header)
-                left = size
-                while left:
-                    chunk = client.recv(min(left, 1 << 16))
-                    if not chunk:
-                        return
-                    server.sendall(chunk)
-                    left -= len(chunk)
+                request = recv_exactly(client, size)
+                if len(request) < size:
+                    return
+                server.sendall(header + request)
+                expected = reply_size(name, request) if name in REPLY_SIZE else None
+                if expected is not None and not self._reply(name, request, server, client):
+                    return
         except OSError:
             return
 
+    def _reply(self, name: str, request: bytes, server: socket.socket, client: socket.socket) -> bool:
+        head = recv_exactly(server, 8)
+        if len(head) < 8:
+            return False
+        reply = recv_exactly(server, struct.unpack("<Q", head)[0])
+        self.received += len(head) + len(reply)  # counted before the client can see it
+        if name in self._rewrite:
+            reply = self._rewrite[name](request, reply)
+        client.sendall(struct.pack("<Q", len(reply)) + reply)
+        return True
+
     def close(self) -> None:
+        self._closed.set()
         self._listener.close()
 
 

@@ -5,8 +5,8 @@
     devices.layer_backends(exe.backend)   # layer -> backend, for the caches
 
 The servers are checked with ggml's own handshake first (rpc.handshake), then given to ggml's
-RPC backend. Layers are placed by `placement.Placement` (the memory each device reports, or
---tensor-split); each
+RPC backend through a relay each (relay.py: every reply checked, every wait bounded). Layers are
+placed by `placement.Placement` (the memory each device reports, or --tensor-split); each
 server's layers get their weights in one buffer on that server, uploaded once here from the
 memory-mapped file in UPLOAD_CHUNK_BYTES pieces. A piece above ggml's 10 MiB hash threshold is
 offered by content hash first, so a server started with --cache that already holds it (a
@@ -23,13 +23,15 @@ import ggml
 from tqdm import tqdm
 
 from gguf_arch.arch.tensors import TOKEN_EMBD, plan_tensors
+from gguf_arch.errors.signals import native_call
 from gguf_arch.io.console import human_size, task_bar
 
 from ...graph.cache import SequenceCache
 from ...weights.loader import GGUFWeights
 from ...graph.placement import INPUT_SEGMENT, Placement, layer_ranges, parse_tensor_split
-from .wire import (Connection, Endpoint, EndpointError, SizedHere, check_alive, guard, handshake, parse_endpoints,
-                  unguard)
+from .relay import DEFAULT_TIMEOUT_S
+from .wire import (Connection, Endpoint, EndpointError, RpcError, SizedHere, check_alive, guard, handshake,
+                   parse_endpoints, unguard)
 from ..sched import SchedExecutor
 
 UPLOAD_CHUNK_BYTES = 64 << 20
@@ -48,17 +50,19 @@ class _Remote:
     nbytes: int = 0
 
 
-def _reach(endpoints: Sequence[Endpoint]) -> list[Connection]:
-    """Handshake with every server; their connections, guarded from here on (ggml's own
+def _reach(endpoints: Sequence[Endpoint], timeout: float) -> list[Connection]:
+    """Handshake with every server; their connections (relays), guarded from here on (ggml's own
     connect aborts on failure)."""
-    connections = [Connection(ep, handshake(ep)) for ep in endpoints]
-    seen: dict[bytes, Endpoint] = {}
+    connections = [Connection(ep, handshake(ep, timeout), timeout) for ep in endpoints]
+    seen: dict[tuple[str, int], Endpoint] = {}
     for c in connections:
-        if c.ggml_endpoint in seen:
+        where = (c.address, c.endpoint.port)
+        if where in seen:
+            for other in connections:
+                other.close()
             # A server serves one connection at a time: ggml's second one would wait forever.
-            raise EndpointError(f"--rpc {c.endpoint} and {seen[c.ggml_endpoint]} are the same server "
-                                f"({c.ggml_endpoint.decode()})")
-        seen[c.ggml_endpoint] = c.endpoint
+            raise EndpointError(f"--rpc {c.endpoint} and {seen[where]} are the same server ({c.address}:{where[1]})")
+        seen[where] = c.endpoint
     for c in connections:
         guard(c)
     return connections
@@ -73,8 +77,23 @@ def _cpu_memory() -> int:
 
 def _server_memory(address: bytes) -> int:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    ggml.ggml_backend_rpc_get_device_memory(address, 0, ctypes.byref(free), ctypes.byref(total))
+    with native_call(may_stall=True):
+        ggml.ggml_backend_rpc_get_device_memory(address, 0, ctypes.byref(free), ctypes.byref(total))
     return free.value
+
+
+def _backend(c: Connection):
+    """ggml's RPC backend for the server, and its buffer type's alignment and largest buffer as
+    ggml cached them, checked through ggml's own getters before anything is allocated (the relay
+    checked the replies they came from; this is where ggml-alloc reads them)."""
+    with native_call(may_stall=True):
+        backend = ggml.ggml_backend_rpc_init(c.ggml_endpoint, 0)
+        buft = ggml.ggml_backend_get_default_buffer_type(backend)
+    align, largest = ggml.ggml_backend_buft_get_alignment(buft), ggml.ggml_backend_buft_get_max_size(buft)
+    if not align or align & (align - 1) or largest < align:
+        raise RpcError(f"RPC server {c.endpoint}: its buffers have an alignment of {align} and at most {largest} "
+                       "bytes (a power of two, and buffers at least that large, expected)")
+    return backend
 
 
 class Devices:
@@ -90,29 +109,32 @@ class Devices:
 
     @classmethod
     def connect(cls, weights: GGUFWeights, rpc: str | Sequence[str], *,
-                tensor_split: str | Sequence[float] | None = None, n_threads: int, progress: bool = False) -> "Devices":
-        """Handshake with every server, place the layers, upload the servers' weights."""
+                tensor_split: str | Sequence[float] | None = None, n_threads: int, progress: bool = False,
+                timeout: float = DEFAULT_TIMEOUT_S) -> "Devices":
+        """Handshake with every server, place the layers, upload the servers' weights. `timeout`:
+        the longest wait for any one reply of a server (--rpc-timeout)."""
         if not ggml.GGML_USE_RPC:
             raise RuntimeError("this ggml-python was built without RPC (rebuild it with CMAKE_ARGS=-DGGML_RPC=ON)")
         endpoints = parse_endpoints(rpc)
         names = [f"RPC{i}[{ep}]" for i, ep in enumerate(endpoints)] + ["CPU"]
         shares = None if tensor_split is None else parse_tensor_split(
             tensor_split if isinstance(tensor_split, str) else ",".join(map(str, tensor_split)), len(names))
-        connections = _reach(endpoints)
+        connections = _reach(endpoints, timeout)
         try:
             if shares is None:
                 shares = (*(_server_memory(c.ggml_endpoint) for c in connections), _cpu_memory())
             placement = Placement.plan(names, weights.cfg.num_layers, shares)
-            remotes = {d: _Remote(endpoints[d], connections[d],
-                                  ggml.ggml_backend_rpc_init(connections[d].ggml_endpoint, 0))
+            remotes = {d: _Remote(endpoints[d], connections[d], _backend(connections[d]))
                        for d in placement.used() if d != placement.cpu}
         except BaseException:
             for c in connections:
                 unguard(c)
+                c.close()
             raise
         for d, c in enumerate(connections):
             if d not in remotes:
-                unguard(c)  # no layers there: ggml never connects to it
+                unguard(c)  # no layers there: ggml never connects to it again
+                c.close()
         devices = cls(weights, placement, remotes, n_threads)
         try:
             devices._upload(progress)
@@ -135,7 +157,7 @@ class Devices:
             if r is not None and p.name in self.weights.tensors:
                 r.names.append(p.name)
         total = sum(ggml.ggml_nbytes(self.weights.tensors[n]) for r in self._remotes.values() for n in r.names)
-        with task_bar("upload to the RPC servers", total, enabled=progress, in_bytes=True) as bar:
+        with task_bar("upload to the RPC servers", total, enabled=progress, in_bytes=True) as bar, native_call(may_stall=True):
             for r in self._remotes.values():
                 self._allocate_remote(r)
                 for name in r.names:
@@ -240,6 +262,7 @@ class Devices:
                 r.ctx = None
             ggml.ggml_backend_free(r.backend)
             unguard(r.connection)
+            r.connection.close()
         self.weights.tensors.update(self._mapped)
         self._mapped = {}
         self._remotes = {}

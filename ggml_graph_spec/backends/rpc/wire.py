@@ -1,22 +1,22 @@
-"""The client side of ggml's RPC backend: endpoints, a handshake before ggml connects, and the
-health of ggml's connections.
+"""The client side of ggml's RPC backend: endpoints, a handshake before ggml connects, the relay
+ggml talks to instead of the server, and what happens when a server fails inside a ggml call.
 
-ggml's RPC client aborts the process on any failure: an unreachable endpoint
-(`ggml_backend_rpc_init` -> GGML_ASSERT), a server speaking another protocol version, and any
-failed send or recv afterwards ("Remote RPC server crashed or returned malformed response";
-ggml 0.15.3, ggml-rpc.cpp). This module keeps those aborts away from the user:
+ggml's RPC client aborts the process on any failure (an unreachable endpoint, a server of
+another protocol version, a failed send or recv: "Remote RPC server crashed or returned
+malformed response"; ggml 0.15.3, ggml-rpc.cpp) and trusts every number a server sends. So:
 
-* `handshake` connects with a timeout and exchanges ggml's HELLO itself before ggml is given the
-  endpoint, so a refused connection, a busy server (ggml's serves one client at a time), a
-  non-RPC peer or another protocol version is a one-line `RpcError`;
-* `Connection.alive` looks at ggml's own socket (found by its peer address) without reading from
-  it: a server that died since the last call has closed it, and the model raises `RpcError`
+* `handshake` connects with a timeout and exchanges ggml's HELLO itself before ggml is given
+  anything, so a refused connection, a busy server (ggml's serves one client at a time), a
+  non-RPC peer or another protocol version is a one-line `RpcError` (a friendly first look; the
+  checks that protect ggml are the relay's, on ggml's own connection);
+* ggml connects to a `Relay` in this process (relay.py), which checks every reply before ggml
+  reads it and bounds every wait on the server (--rpc-timeout); `Connection.alive` asks it
+  whether the server closed the connection since the last call, and the model raises `RpcError`
   before handing ggml a graph;
-* keepalive and TCP_USER_TIMEOUT on that socket turn a host that vanished without closing
-  the connection into a failed recv within KEEPALIVE_BOUND_S instead of a hang;
-* a server dying while ggml is inside a call cannot be recovered from (ggml aborts right after
-  the callback returns): `guard` installs a ggml abort callback that names the lost endpoint on
-  one line and ends the process with exit code 1.
+* keepalive and TCP_USER_TIMEOUT on the relay's connection turn a host that vanished without
+  closing the connection into a failed recv within relay.KEEPALIVE_BOUND_S instead of a hang;
+* a ggml abort while servers are connected (`guard`) ends the process with one line naming the
+  server and exit code 1, instead of ggml's report and SIGABRT.
 
 `SizedHere` spares the per-graph round trips ggml's client spends asking a CPU server what it
 already knows (allocation sizes).
@@ -24,7 +24,6 @@ already knows (allocation sizes).
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
 import struct
 import sys
@@ -35,26 +34,15 @@ from typing import Sequence
 import ggml
 
 from gguf_arch.errors import EXIT_RUNTIME, KimiError
+from gguf_arch.errors.signals import end_process
 
-# ggml 0.15.3's RPC protocol (ggml-rpc.h): the client accepts a server of the same major
-# version and a minor version not above its own.
-PROTOCOL = (4, 0, 1)
-# Its commands in enum rpc_cmd order (ggml-rpc.cpp). A request is the command byte, a u64 size
-# and that many bytes; a reply (for the commands that have one) a u64 size and the bytes.
-COMMANDS = ("ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
-            "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
-            "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE")
-_CMD_HELLO = COMMANDS.index("HELLO")  # 14 in every protocol version
-_CONN_CAPS = 24  # RPC_CONN_CAPS_SIZE: the HELLO request, and the tail of the reply
-_HELLO_REPLY = 4 + _CONN_CAPS  # major, minor, patch, padding, caps
+from .protocol import CMD, COMMANDS, CONN_CAPS, PROTOCOL, REPLY_SIZE  # noqa: F401  (COMMANDS: the tests read it here)
+from .relay import DEFAULT_TIMEOUT_S, Relay, recv_exactly
+
+_HELLO_REPLY = REPLY_SIZE["HELLO"]  # major, minor, patch, padding, caps
 
 CONNECT_TIMEOUT_S = 10.0
 HANDSHAKE_TIMEOUT_S = 10.0
-# A vanished host: keepalive probes after 10 s idle, every 5 s, 3 unanswered -> dead (25 s);
-# unacknowledged data for 25 s -> dead. A slow graph does not trip it: the server's kernel
-# answers the probes.
-_KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 10, 5, 3
-KEEPALIVE_BOUND_S = _KEEPIDLE_S + _KEEPINTVL_S * _KEEPCNT
 
 
 class RpcError(KimiError):
@@ -96,36 +84,26 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[Endpoint]:
     return out
 
 
-def recv_exactly(s: socket.socket, n: int) -> bytes:
-    """n bytes from s, or fewer if the peer closed the connection first."""
-    data = b""
-    while len(data) < n:
-        chunk = s.recv(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def handshake(ep: Endpoint) -> str:
+def handshake(ep: Endpoint, timeout: float = DEFAULT_TIMEOUT_S) -> str:
     """Connect, send ggml's HELLO, check the reply's version, disconnect; returns the IPv4
-    address the host resolved to (ggml's client resolves it the same way)."""
+    address the host resolved to. Each wait is bounded by `timeout` and the handshake's own bounds."""
     try:
         addr = socket.getaddrinfo(ep.host, ep.port, socket.AF_INET, socket.SOCK_STREAM)[0][4]
     except socket.gaierror as exc:
         raise RpcError(f"RPC server {ep}: cannot resolve {ep.host!r} ({exc.strerror})") from None
     try:
-        s = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
+        s = socket.create_connection(addr, timeout=min(CONNECT_TIMEOUT_S, timeout))
     except OSError as exc:
         why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc)).lower()
         raise RpcError(f"RPC server {ep}: cannot connect: {why} (is kimi-k3-rpc-server running there?)") from None
     with s:
-        s.settimeout(HANDSHAKE_TIMEOUT_S)
+        wait = min(HANDSHAKE_TIMEOUT_S, timeout)
+        s.settimeout(wait)
         try:
-            s.sendall(bytes([_CMD_HELLO]) + struct.pack("<Q", _CONN_CAPS) + bytes(_CONN_CAPS))
+            s.sendall(bytes([CMD["HELLO"]]) + struct.pack("<Q", CONN_CAPS) + bytes(CONN_CAPS))
             reply = recv_exactly(s, 8 + _HELLO_REPLY)
         except TimeoutError:
-            raise RpcError(f"RPC server {ep}: no answer to the handshake within {HANDSHAKE_TIMEOUT_S:.0f} s "
+            raise RpcError(f"RPC server {ep}: no answer to the handshake within {wait:g} s "
                            "(busy with another client? a ggml RPC server serves one at a time)") from None
         except OSError as exc:
             raise RpcError(f"RPC server {ep}: connection failed during the handshake ({exc.strerror})") from None
@@ -145,96 +123,35 @@ def _check_hello(ep: Endpoint, reply: bytes) -> None:
                        "(start kimi-k3-rpc-server from this package there)")
 
 
-def _tcp_socket(fd: int) -> socket.socket | None:
-    """A duplicate of fd as a socket object (closing it leaves ggml's fd open), or None.
-
-    The duplicate shares the file status flags with ggml's descriptor: it must stay blocking
-    (ggml's recv fails on EAGAIN), so the object is put back in blocking mode if a process-wide
-    socket.setdefaulttimeout made Python switch it, and reads use MSG_DONTWAIT instead."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        s = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return None
-    if s.gettimeout() is not None:
-        s.settimeout(None)
-    return s
-
-
-def _open_fds() -> list[int]:
-    try:
-        return sorted(int(name) for name in os.listdir("/proc/self/fd"))
-    except OSError:  # no procfs: every descriptor number below the limit
-        return list(range(os.sysconf("SC_OPEN_MAX")))
-
-
 class Connection:
-    """ggml's connection to one server, watched through its socket descriptor."""
+    """ggml's way to one server: the relay it connects to instead, and the server's health."""
 
-    def __init__(self, endpoint: Endpoint, address: str):
+    def __init__(self, endpoint: Endpoint, address: str, timeout: float = DEFAULT_TIMEOUT_S):
         self.endpoint = endpoint
         self.address = address  # the resolved IPv4 address the handshake reached
-        self._fd: int | None = None
-        self._local: tuple | None = None
+        self.relay = Relay(str(endpoint), (address, endpoint.port), timeout)
 
     @property
     def ggml_endpoint(self) -> bytes:
-        """What ggml is given: the address the handshake reached, so that its socket is this one."""
-        return f"{self.address}:{self.endpoint.port}".encode()
+        """What ggml is given: the relay's loopback address."""
+        return self.relay.ggml_endpoint
 
     def attach(self) -> None:
-        """Find ggml's socket to the server (it exists while a buffer on the server does) and set
-        keepalive on it. Raises RpcError if there is none."""
-        peer = (self.address, self.endpoint.port)
-        taken = {c._fd for c in _GUARD.connections if c is not self}
-        for fd in _open_fds():
-            if fd in taken:
-                continue
-            s = _tcp_socket(fd)
-            if s is None:
-                continue
-            with s:
-                try:
-                    if s.family != socket.AF_INET or s.getpeername() != peer:
-                        continue
-                    local = s.getsockname()
-                except OSError:
-                    continue
-                _keepalive(s)
-            self._fd, self._local = fd, local
-            return
-        raise RpcError(f"RPC server {self.endpoint}: ggml's connection to it is gone")
+        """Check that ggml's connection to the server exists (it does while a buffer on the
+        server does). Raises RpcError if there is none."""
+        if self.relay.upstream is None or not self.relay.alive():
+            raise RpcError(f"RPC server {self.endpoint}: ggml's connection to it is gone")
 
     def alive(self) -> bool:
-        """False once the server closed or reset ggml's connection (nothing is read from it)."""
-        s = _tcp_socket(self._fd) if self._fd is not None else None
-        if s is None:
-            return False
-        with s:
-            try:
-                if s.getsockname() != self._local:
-                    return False  # ggml closed it and the number was reused
-                return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""  # b"": closed by the server
-            except BlockingIOError:
-                return True  # nothing to read: the server is waiting for the next command
-            except OSError:
-                return False  # reset
+        """False once the server closed or reset the connection (nothing is read from it)."""
+        return self.relay.alive()
 
     def traffic(self) -> tuple[int, int]:
-        """(bytes sent and acknowledged, bytes received) on ggml's connection so far (TCP_INFO;
-        Linux counts the SYN's acknowledgement as one byte sent)."""
-        s = _tcp_socket(self._fd) if self._fd is not None else None
-        if s is None:
-            return 0, 0
-        with s:
-            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
-        # struct tcp_info: 8 bytes of u8 fields, 24 u32, then pacing_rate, max_pacing_rate,
-        # bytes_acked, bytes_received (u64 each; Linux >= 4.1).
-        return struct.unpack_from("<QQ", info, 8 + 24 * 4 + 16) if len(info) >= 136 else (0, 0)
+        """(bytes sent and acknowledged, bytes received) on the connection to the server so far."""
+        return self.relay.traffic()
+
+    def close(self) -> None:
+        self.relay.close()
 
 
 class _BufferTypeIface(ctypes.Structure):
@@ -267,14 +184,6 @@ class SizedHere:
     @property
     def address(self) -> int:
         return ctypes.addressof(self._struct)
-
-
-def _keepalive(s: socket.socket) -> None:
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", _KEEPIDLE_S), ("TCP_KEEPINTVL", _KEEPINTVL_S), ("TCP_KEEPCNT", _KEEPCNT),
-                        ("TCP_USER_TIMEOUT", KEEPALIVE_BOUND_S * 1000)):
-        if hasattr(socket, name):  # Linux; elsewhere the OS defaults apply
-            s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def check_alive(connections: Sequence[Connection], when: str) -> None:
@@ -333,14 +242,8 @@ class _Guard:
             return
         detail = "; ".join([*self._held, text.rsplit(": ", 1)[-1]])
         where = ", ".join(dead) if dead else ", ".join(str(c.endpoint) for c in self.connections)
-        try:
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-        sys.stderr.write(f"error: RPC server {where}: connection lost during a ggml call ({detail}); ggml's RPC "
-                         "client cannot continue without it\n")
-        sys.stderr.flush()
-        os._exit(EXIT_RUNTIME)
+        end_process(EXIT_RUNTIME, [f"error: RPC server {where}: connection lost during a ggml call ({detail}); "
+                                   "ggml's RPC client cannot continue without it"])
 
 
 _GUARD = _Guard()

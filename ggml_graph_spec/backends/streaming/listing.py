@@ -11,6 +11,7 @@ from pathlib import Path
 from gguf_arch.arch.keys import ARCH_KEYS, DRY_RUN_HEADER, MOE_LISTED
 from gguf_arch.arch.tensors import gguf_kind, gguf_layer
 from gguf_arch.errors import GGUFError
+from gguf_arch.io.jsonfile import open_regular, read_text
 
 from ...weights.loader import load_gguf
 from .budget import ExpertSizes
@@ -43,11 +44,11 @@ class ModelLayout:
 
 def is_listing(path: Path) -> bool:
     """A saved dry run: a text file whose first line is the converter's header."""
-    try:
-        with open(path, "rb") as f:
+    try:  # never a plain open(): a FIFO given as MODEL would block it forever
+        with open(open_regular(path), "rb") as f:
             return f.read(len(DRY_RUN_HEADER)) == DRY_RUN_HEADER.encode()
     except OSError:
-        return False
+        return False  # the GGUF loader names what it is
 
 
 def gguf_layout(path: Path) -> ModelLayout:
@@ -70,7 +71,7 @@ def listing_layout(path: Path) -> ModelLayout:
     exps: dict[int, dict[str, int]] = {}
     keys: dict[str, int] = {}
     outside, paths = 0, []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, GGUFError, "not found").splitlines(), 1):
         if line.startswith("file "):
             paths.append(line[5:].rsplit(": ", 1)[0])
         elif line.startswith("  "):

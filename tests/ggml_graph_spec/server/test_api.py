@@ -253,6 +253,12 @@ HOSTILE_CHAT = [
      400, "renders text, image and video parts, not input_audio"),
     ("top_logprobs over 20", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
      400, "'top_logprobs' must be in [0, 20]"),
+    ("a reserved template kwarg", {"messages": [{"role": "user", "content": "x"}],
+                                   "chat_template_kwargs": {"bos_token": "<evil>", "thinking": False}},
+     400, "'chat_template_kwargs' may not set 'bos_token'"),
+    ("messages as a template kwarg", {"messages": [{"role": "user", "content": "x"}],
+                                      "chat_template_kwargs": {"messages": 5}},
+     400, "'chat_template_kwargs' may not set 'messages'"),
 ]
 
 

@@ -14,7 +14,10 @@ import os
 import re
 import signal
 import sys
-from typing import Callable, NoReturn
+from typing import Callable
+
+from . import signals
+from .signals import Interrupted, STOP_SIGNALS  # noqa: F401  (the tools import them from here)
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -23,8 +26,6 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_HANGUP = 128 + signal.SIGHUP
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
-# The signals a tool stops on as on Ctrl-C (SIGINT raises KeyboardInterrupt by itself).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 # Everything str.splitlines() breaks on, and the other C0/C1 controls (a terminal escape in a tensor
 # name must not recolour or rewrite the user's terminal).
@@ -64,32 +65,6 @@ class OutputError(KimiError):
     exit_code = EXIT_RUNTIME
 
 
-class Interrupted(BaseException):
-    """A stop signal (SIGINT, SIGTERM, SIGHUP), raised where the main thread is, like
-    KeyboardInterrupt; `what` says what the run leaves behind (set by whoever knows it)."""
-
-    def __init__(self, signum: int, what: str | None = None) -> None:
-        super().__init__(signum, what)
-        self.signum, self.what = signum, what
-
-    @classmethod
-    def from_exc(cls, exc: BaseException, what: str) -> "Interrupted":
-        return cls(getattr(exc, "signum", signal.SIGINT), what)
-
-
-def _raise_interrupted(signum: int, _frame) -> NoReturn:
-    raise Interrupted(signum)
-
-
-def _stop_on_signals() -> dict[int, object]:
-    """SIGTERM and SIGHUP raise Interrupted (only the main thread may set handlers); returns the
-    handlers they replaced."""
-    try:
-        return {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS}
-    except ValueError:  # not the main thread: leave the signals alone
-        return {}
-
-
 def _quiet_stdout() -> None:
     """The reader of stdout is gone: point stdout at /dev/null so the interpreter's final flush
     does not print a BrokenPipeError of its own."""
@@ -104,22 +79,28 @@ def _quiet_stdout() -> None:
 def interrupted_line(exc: BaseException, default: str | None) -> tuple[str, int]:
     """(`error: interrupted (SIGNAME); what is left`, 128 + the signal) for a stop signal."""
     signum = getattr(exc, "signum", signal.SIGINT)
-    what = getattr(exc, "what", None) or default
-    return f"error: interrupted ({signal.Signals(signum).name})" + (f"; {what}" if what else ""), 128 + signum
+    return signals.interrupted_line(signum, getattr(exc, "what", None) or default), 128 + signum
 
 
 def run_cli(action: Callable[[], int | None], *, interrupted: str | None = None,
             runtime_errors: tuple[type[BaseException], ...] = (OSError,)) -> int:
     """Run a command-line tool's body and turn every expected failure into one stderr line and
     its exit code: the contract every CLI of this project documents (never a traceback).
-    SIGTERM and SIGHUP stop it like Ctrl-C; a closed stdout pipe stops it quietly."""
-    previous = _stop_on_signals()
+    SIGINT, SIGTERM and SIGHUP stop it alike (signals.py); a closed stdout pipe stops it quietly."""
+    code = _run(action, interrupted, runtime_errors)
+    signals.finished(code)
+    return code
+
+
+def _run(action: Callable[[], int | None], interrupted: str | None,
+         runtime_errors: tuple[type[BaseException], ...]) -> int:
     try:
-        code = action()
+        with signals.tool_body(interrupted):
+            code = action()
     except KimiError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except (KeyboardInterrupt, Interrupted) as exc:
+    except KeyboardInterrupt as exc:  # Interrupted too: SIGTERM and SIGHUP
         line, code = interrupted_line(exc, interrupted)
         print(line, file=sys.stderr)
         return code
@@ -129,8 +110,4 @@ def run_cli(action: Callable[[], int | None], *, interrupted: str | None = None,
     except runtime_errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return EXIT_OK if code is None else code
-
