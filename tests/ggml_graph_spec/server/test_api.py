@@ -241,6 +241,8 @@ HOSTILE = [
     ("several prompts", {"prompt": ["a", "b"]}, 400, "several prompts"),
     ("stop of a wrong type", {**GOOD, "stop": [1]}, 400, "'stop' must be"),
     ("seed out of range", {**GOOD, "seed": -5}, 400, "'seed' must be in"),
+    ("bytes that are not UTF-8", b'{"prompt": "hi \xff"}', 400, "not valid JSON"),
+    ("a lone surrogate", b'{"prompt": "hi \\ud800"}', 400, "'prompt' is not valid Unicode"),
 ]
 HOSTILE_CHAT = [
     ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "'messages[0].role' must be one of"),
@@ -256,6 +258,8 @@ HOSTILE_CHAT = [
     ("a reserved template kwarg", {"messages": [{"role": "user", "content": "x"}],
                                    "chat_template_kwargs": {"bos_token": "<evil>", "thinking": False}},
      400, "'chat_template_kwargs' may not set 'bos_token'"),
+    ("a lone surrogate in a message", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "'messages[0].content' is not valid Unicode"),
     ("messages as a template kwarg", {"messages": [{"role": "user", "content": "x"}],
                                       "chat_template_kwargs": {"messages": 5}},
      400, "'chat_template_kwargs' may not set 'messages'"),
