@@ -31,7 +31,7 @@ from gguf_arch.arch.chat_template import SAMPLE_CONVERSATION
 from gguf_arch.arch.template_sandbox import compile_template, render
 from gguf_arch.errors import KimiError
 from gguf_arch.io.console import UsageError
-from gguf_arch.io.jsonfile import read_text
+from gguf_arch.io.jsonfile import not_unicode, read_text
 
 from ..engine.model import Model
 from ..generation.batch import Prompt
@@ -78,6 +78,10 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
         raise UsageError("--chat-template-kwargs: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise UsageError(f"--chat-template-kwargs: expected a JSON object, got {text!r}")
+    where = not_unicode(value)
+    if where is not None:
+        raise UsageError(f"--chat-template-kwargs: '{where}' is not valid Unicode (a lone surrogate escape such as "
+                         "\\ud800)")
     reserved = reserved_kwargs(value)
     if reserved:
         raise UsageError(f"--chat-template-kwargs: {', '.join(reserved)} is set by the runner for every template "

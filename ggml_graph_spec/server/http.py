@@ -11,6 +11,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gguf_arch.io.jsonfile import not_unicode
+
 from .errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER, TOO_LARGE, ApiError, bad_request
 
 # llama-server's public endpoints: no key needed (the chat page asks for one itself).
@@ -112,31 +114,11 @@ async def read_json(request: Request, limit: int, timeout: float) -> Any:
         value = json.loads(body)
     except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
         raise bad_request(f"the request body is not valid JSON ({str(exc)[:120]})") from None
-    where = _not_unicode(value)
+    where = not_unicode(value)
     if where is not None:
-        raise bad_request(f"'{where}' is not valid Unicode (a lone surrogate escape such as \\ud800)")
+        raise bad_request(f"'{where or 'the request body'}' is not valid Unicode (a lone surrogate escape such as "
+                          "\\ud800)")
     return value
-
-
-def _not_unicode(value: Any) -> str | None:
-    """The path of the first string (key or value) that UTF-8 cannot encode: JSON's \\uXXXX
-    escapes can spell half a surrogate pair, which json.loads accepts and the tokenizer cannot
-    encode. Iterative: the body's nesting is bounded only by json.loads."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, dict):
-            for k, item in reversed(list(v.items())):
-                stack.append((f"{path}.{k}" if path else k, item))
-                stack.append((f"{path}.{k}" if path else k, k))
-        elif isinstance(v, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(v))))
-        elif isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return path.encode("utf-8", "backslashreplace").decode() or "the request body"
-    return None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

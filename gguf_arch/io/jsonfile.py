@@ -55,3 +55,25 @@ def read_json(path: Path, error: type[KimiError], missing: str, invalid: str = "
         raise error(f"{path}: {invalid}: {exc}") from None
     except RecursionError:
         raise error(f"{path}: JSON nested too deeply") from None
+
+
+def not_unicode(value: Any) -> str | None:
+    """The path (`messages[0].content`) of the first string, key or value, of a parsed JSON value
+    that UTF-8 cannot encode ("" for the value itself), or None: JSON's \\uXXXX escapes can
+    spell half a surrogate pair, which json.loads accepts and a tokenizer cannot encode.
+    Iterative: the nesting is bounded only by json.loads."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                stack.append((f"{path}.{k}" if path else k, item))
+                stack.append((f"{path}.{k}" if path else k, k))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path.encode("utf-8", "backslashreplace").decode()
+    return None

@@ -103,6 +103,8 @@ def test_a_closed_stdout_or_stderr_is_not_a_traceback(k3_tiny_gguf, tmp_path, fd
     ("[1]", "expected a JSON object"),
     ("{", "not JSON"),
     ("[" * 100000, "nested too deeply"),
+    ('{"thinking": false, "names": ["a", "\\ud800"]}', "'names[1]' is not valid Unicode"),
+    ('{"\\udfff": 1}', "is not valid Unicode"),
 ])
 def test_chat_template_kwargs_are_checked_before_loading(k3_tiny_gguf, kwargs, needle):
     res = _runner(k3_tiny_gguf, "-cnv", "--chat-template-kwargs", kwargs, *RUN, prelude=NO_GGML)
