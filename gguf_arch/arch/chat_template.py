@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import TokenizerError
-from ..io.jsonfile import read_json, read_text
+from ..io.jsonfile import not_unicode, read_json, read_text
 from .template_sandbox import compile_template, render
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -93,6 +93,8 @@ def _from_tokenizer_config(path: Path) -> str | None:
         value = named.get("default")
     if value is not None and not isinstance(value, str):
         raise TokenizerError(f"{path}: chat_template must be a string or a list with a 'default' template")
+    if value is not None and not_unicode(value) is not None:  # half a surrogate pair: no GGUF string holds it
+        raise TokenizerError(f"{path}: 'chat_template' is not valid Unicode (a lone surrogate escape such as \\ud800)")
     return value
 
 
