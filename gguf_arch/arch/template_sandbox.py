@@ -20,6 +20,7 @@ sandbox violation) becomes one error naming the template's source and its line.
 """
 from __future__ import annotations
 
+import gc
 import json
 import re
 import sys
@@ -248,10 +249,17 @@ class _Budget:
         return self.line
 
     def __enter__(self) -> "_Budget":
-        self._hooks = sys.getprofile(), sys.gettrace(), sys.getrecursionlimit()
+        self._hooks = sys.getprofile(), sys.gettrace(), sys.getrecursionlimit(), sys.unraisablehook, gc.isenabled()
         # Depth: Python's recursion limit as the caller set it may be higher than the C stack
         # holds with these hooks (a test runner raises it); a template gets MAX_DEPTH frames.
         sys.setrecursionlimit(min(self._hooks[2], _depth() + MAX_DEPTH))
+        # A finalizer that runs at the depth bound (a generator of the template closed there, or
+        # anyone's garbage collected there) fails with RecursionError, which Python hands to
+        # sys.unraisablehook, itself then at the bound: its report is a second traceback (and under
+        # pytest a failed test). The render fails or ends on its own; nothing of it is printed,
+        # and no collection runs inside it.
+        sys.unraisablehook = _drop_unraisable
+        gc.disable()
         sys.setprofile(self.profile)
         sys.settrace(self.trace)
         return self
@@ -260,6 +268,13 @@ class _Budget:
         sys.setprofile(self._hooks[0])
         sys.settrace(self._hooks[1])
         sys.setrecursionlimit(self._hooks[2])
+        sys.unraisablehook = self._hooks[3]
+        if self._hooks[4]:
+            gc.enable()
+
+
+def _drop_unraisable(_unraisable: Any) -> None:
+    """sys.unraisablehook while a template renders (_Budget.__enter__ says why)."""
 
 
 def _depth() -> int:
