@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,12 +26,6 @@ def server(k3_tiny_gguf, slot_dir):
     s = LiveServer(k3_tiny_gguf, "-np", 2, "-c", 2 * N_CTX_SLOT, "--exact-experts", "--slot-save-path", slot_dir)
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
 
 
 def _chat(client, content: str, n: int = 6, **extra):

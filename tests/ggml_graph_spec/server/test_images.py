@@ -49,12 +49,6 @@ def server(tmp_path_factory, k31pro_tiny_gguf, k31pro_tiny_mmproj):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def shown(k31pro_tiny_gguf):
     """The text a chat reply shows for token ids (special tokens hidden)."""
     tokenizer = BPETokenizer.from_gguf(k31pro_tiny_gguf)
