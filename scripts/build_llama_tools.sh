@@ -12,7 +12,11 @@ VPY="${VPY:-python3}"
 LOGS="${LOGS:-$ROOT/.venv/setup-logs}"
 source "$ROOT/scripts/setup_step.sh"
 
-LLAMA_TOOLS=(llama-cli llama-completion llama-perplexity llama-imatrix llama-quantize llama-gguf-split)
+LLAMA_TOOLS=(llama-cli llama-completion llama-perplexity llama-imatrix llama-quantize llama-gguf-split llama-server)
+# Files of the llama.cpp tree the tests read as llama.cpp's own statement of a behaviour (never
+# committed here): K3's chat template, and the tools' READMEs with their flag tables. Kept in
+# share/ beside bin/, at their paths in the tree.
+LLAMA_FILES=(models/templates/Kimi-K3.jinja tools/cli/README.md tools/server/README.md tools/completion/README.md)
 # Static binaries (the cache directory can move), no network at build time (no curl, no OpenSSL,
 # no prebuilt web UI download), no tests or examples.
 LLAMA_CMAKE_OPTS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF
@@ -22,14 +26,17 @@ LLAMA_VERSION="$(grep -Eo 'llama-cpp-python==[0-9.]+' "$ROOT/setup.cfg" | head -
 
 llama_tools_dir() {
     local recipe
-    recipe="$(printf '%s\n' "$LLAMA_VERSION" "${LLAMA_CMAKE_OPTS[@]}" "${LLAMA_TOOLS[@]}" | sha256sum | cut -c1-12)"
+    recipe="$(printf '%s\n' "$LLAMA_VERSION" "${LLAMA_CMAKE_OPTS[@]}" "${LLAMA_TOOLS[@]}" "${LLAMA_FILES[@]}" | sha256sum | cut -c1-12)"
     echo "${KIMI_K3_CACHE:-$HOME/.cache/kimi-k3-gguf}/llama.cpp-$LLAMA_VERSION-$recipe"
 }
 
 llama_tools_complete() {
-    local tool
+    local tool file
     for tool in "${LLAMA_TOOLS[@]}"; do
         [ -x "$1/bin/$tool" ] || return 1
+    done
+    for file in "${LLAMA_FILES[@]}"; do
+        [ -f "$1/share/$file" ] || return 1
     done
 }
 
@@ -45,6 +52,9 @@ llama_tools_steps() {
     nice -n 10 cmake --build "$tmp/build" -j "$(nproc)" --target "${LLAMA_TOOLS[@]}" || return
     for tool in "${LLAMA_TOOLS[@]}"; do
         cp "$tmp/build/bin/$tool" "$tmp/bin/$tool" || return
+    done
+    for file in "${LLAMA_FILES[@]}"; do
+        mkdir -p "$(dirname "$tmp/share/$file")" && cp "$tmp/src/vendor/llama.cpp/$file" "$tmp/share/$file" || return
     done
 }
 
@@ -72,6 +82,7 @@ if ! llama_tools_complete "$LLAMA_TOOLS_DIR"; then
     llama_tools_build "$LLAMA_TOOLS_DIR"
 fi
 export KIMI_K3_LLAMA_BIN="$LLAMA_TOOLS_DIR/bin"
+export KIMI_K3_LLAMA_SHARE="$LLAMA_TOOLS_DIR/share"
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     echo "$KIMI_K3_LLAMA_BIN"
 fi
