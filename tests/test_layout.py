@@ -8,7 +8,7 @@ included).
   never loads the verifier;
 * quant_rules sits between arch and convert: it never imports the converter (nor verify, synth),
   and nothing below convert imports quant_rules;
-* ggml_graph_spec's layers, lowest first: text | weights < graph < blocks | backends < engine <
+* ggml_graph_spec's layers, lowest first: text | weights < graph | chat < blocks | backends < engine <
   generation < runner < server | tools; a lower layer never imports a higher one, siblings never
   import one another, and nothing in ggml_graph_spec imports the converter (README's "Layout",
   docs/architecture.md);
@@ -32,6 +32,7 @@ GGUF_LAYERS = {"gguf_arch.errors": 0, "gguf_arch.io": 1, "gguf_arch.arch": 2,
 TOP_LAYER = 3
 # ggml_graph_spec's layers, lowest first (same rule: a module imports only layers below its own).
 GRAPH_LAYERS = {"ggml_graph_spec.text": 0, "ggml_graph_spec.weights": 0, "ggml_graph_spec.graph": 1,
+                "ggml_graph_spec.chat": 1,
                 "ggml_graph_spec.blocks": 2, "ggml_graph_spec.vision": 2, "ggml_graph_spec.backends": 2,
                 "ggml_graph_spec.engine": 3, "ggml_graph_spec.generation": 4, "ggml_graph_spec.runner": 5,
                 "ggml_graph_spec.server": 6, "ggml_graph_spec.tools": 6}

@@ -29,6 +29,7 @@ from typing import Callable, Sequence, Union
 import numpy as np
 
 from ..engine.model import Model
+from ..chat.constraint import closing_margin
 from .events import Reply, StopRules, Timings, TokenEvent, stop_reason
 from .sampling import Sampler, log_softmax, top_logprobs
 
@@ -68,6 +69,7 @@ class Request:
     sampler: Sampler
     stop: StopRules
     show: Callable[[int], bool]  # which tokens' text is part of the reply
+    constraint: object | None  # chat/constraint.Constraint: masks the logits, told each sampled token
     logprobs: int  # top alternatives per token to report (0: only the sampled token's, -1: none)
     todo: list[Run]  # runs still to feed: the prompt's rest, or the last sampled token
     decoder: object  # the tokenizer's StreamDecoder
@@ -92,16 +94,17 @@ class BatchGenerator:
         return list(self._requests)
 
     def add(self, seq: int, prompt: Prompt, sampler: Sampler, stop: StopRules, *,
-            show: Callable[[int], bool] = lambda _t: True, logprobs: int = -1) -> Request:
+            show: Callable[[int], bool] = lambda _t: True, logprobs: int = -1,
+            constraint: object | None = None) -> Request:
         """A new request on sequence seq, whose cached tokens come before `prompt` (token ids, or
-        runs of ids and rows)."""
+        runs of ids and rows); `constraint` (chat/constraint.py) limits what it may sample."""
         if any(r.seq == seq for r in self._requests):
             raise ValueError(f"sequence {seq} already has an active request")
         runs = prompt_runs(prompt)
         if not runs:
             raise ValueError("a request needs at least one prompt token")
         sampler.accept(_ids(runs))
-        r = Request(seq, sampler, stop, show, logprobs, runs, self.tokenizer.stream_decoder(),
+        r = Request(seq, sampler, stop, show, constraint, logprobs, runs, self.tokenizer.stream_decoder(),
                     prompt_tokens=sum(map(len, runs)), t_start=time.perf_counter())
         self._requests.append(r)
         return r
@@ -156,10 +159,22 @@ class BatchGenerator:
         self.timings.eval_s += share * decode
         self.timings.eval_runs += 1 if decode else 0
 
+    def _closing(self, r: Request) -> bool:
+        """Whether the request's next token is within its constraint's closing margin of its limit
+        (-n / max_tokens, or the context)."""
+        room = self.model.n_ctx - self.model.seq_pos(r.seq) - 1
+        if r.stop.n_predict >= 0:
+            room = min(room, r.stop.n_predict - len(r.reply.tokens))
+        return room <= closing_margin(min(self.model.n_ctx, r.stop.n_predict) if r.stop.n_predict >= 0
+                                      else self.model.n_ctx)
+
     def _sample(self, r: Request, logits: np.ndarray) -> TokenEvent:
         t = time.perf_counter()
-        token = r.sampler(logits)
-        lp = log_softmax(logits) if r.logprobs >= 0 else None
+        masked = logits if r.constraint is None else r.constraint.mask(logits, self._closing(r))
+        token = r.sampler(masked)
+        if r.constraint is not None:
+            r.constraint.accept(token)
+        lp = log_softmax(logits) if r.logprobs >= 0 else None  # the model's own distribution
         self.timings.sample_s += time.perf_counter() - t
         self.timings.samples += 1
         r.sampler.accept([token])

@@ -40,14 +40,16 @@ def check_fits(model: Model, seq: int, n: int) -> None:
 class Generation:
     def __init__(self, model: Model, tokens: Prompt, sampler: Sampler, stop: StopRules, *, seq: int = 0,
                  timings: Timings | None = None, show: Callable[[int], bool] = lambda _t: True,
-                 logprobs: int = -1, stop_requested: Callable[[], bool] = lambda: False):
+                 logprobs: int = -1, stop_requested: Callable[[], bool] = lambda: False,
+                 constraint: object | None = None):
         """tokens: token ids, or runs of ids and rows (batch.py). stop_requested: asked after each
         model call (a Ctrl-C flag): True ends the generation there, "interrupted", with what was
         fed in the caches and nothing more sampled."""
         check_fits(model, seq, prompt_length(tokens))
         self._batch = BatchGenerator(model, timings=timings)
         self._stop_requested = stop_requested
-        self._request = self._batch.add(seq, tokens, sampler, stop, show=show, logprobs=logprobs)
+        self._request = self._batch.add(seq, tokens, sampler, stop, show=show, logprobs=logprobs,
+                                        constraint=constraint)
 
     @property
     def reply(self) -> Reply:
