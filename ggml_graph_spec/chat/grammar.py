@@ -162,6 +162,12 @@ def _response_rule(response: Response) -> tuple[str, list[dict]]:
     return TEXT, []
 
 
+def text_grammar(response: JsonSchema | Lark) -> str:
+    """A whole text (a raw completion) that is the response: JSON, or the caller's grammar."""
+    body, subgrammars = _response_rule(response)
+    return _grammar(f"start: {body}", subgrammars)
+
+
 def reply_grammar(spec: ReplySpec) -> str:
     """The whole reply, from where the generation prompt left off, as llguidance's grammar JSON."""
     body, subgrammars = _response_rule(spec.response)

@@ -83,8 +83,9 @@ class _Text:
 
 class ReplyParser:
     """start: the channel the generation prompt left open ("think", "response"), or "text" for a
-    reply of a template that is not K3's (everything is content). reasoning_in_content: the think
-    channel's text goes to content too (llama-server's reasoning_format none)."""
+    reply of a template that is not K3's (everything is content). reasoning_in_content: `feed`
+    counts the think channel's text as content too (llama-server's reasoning_format none); its
+    deltas are `reasoning` all the same."""
 
     def __init__(self, tokenizer: BPETokenizer, start: str = "response", tools: Sequence[Tool] = (), *,
                  reasoning_in_content: bool = False, new_id: Callable[[], str] = call_id) -> None:
@@ -160,7 +161,7 @@ class ReplyParser:
     def _emit_text(self, text: str) -> None:
         if not text:
             return
-        if self._content_channel():
+        if self.channel != "think":
             self.reply.content += text
             self._deltas.append(Delta("content", text))
         else:

@@ -24,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..text.chat_template import ChatTemplate
 from . import http, protocol
+from .agent import AgentDefaults
 from .engine import Engine
 from .errors import EXCEED_CONTEXT, LOADING, NOT_SUPPORTED, ApiError, bad_request, unavailable
 from .jobs import Job
@@ -42,6 +43,7 @@ class HttpSettings:
     max_body: int  # bytes
     timeout: float  # seconds: reading a body, and each write
     slot_save_path: Path | None
+    agent: AgentDefaults = AgentDefaults()  # reasoning defaults of requests (--reasoning-*)
 
 
 class Server:
@@ -182,10 +184,14 @@ async def _generate(server: Server, request: Request, chat: bool) -> Response:
     body = protocol.check_object(await server.body(request))
     tok = engine.model.tokenizer
     params = protocol.gen_request(body, [], chat, tok.eos_id)  # every field checked before any tokenizing
+    reply, plan = None, None
     if chat:
-        prompt, images = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok, server.vision)
+        cp = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok, server.vision,
+                                     server.settings.agent)
+        prompt, images, reply = cp.ids, cp.items, cp.reply
     else:
         prompt, images = await run_in_threadpool(protocol.completion_prompt, body, tok), []
+        plan = await run_in_threadpool(protocol.completion_plan, body, tok)
     media = server.vision.plan(prompt, images) if images else None
     if media is not None:  # the rows' positions count; the rows are no tokens the prompt cache can compare
         prompt = media.merged.token_ids.tolist()
@@ -194,7 +200,7 @@ async def _generate(server: Server, request: Request, chat: bool) -> Response:
         raise ApiError(400, EXCEED_CONTEXT, f"the request exceeds the available context size: the prompt is "
                        f"{len(prompt)} tokens, a slot holds {n_ctx} (-c / -np)", n_prompt_tokens=len(prompt),
                        n_ctx=n_ctx)
-    gen = replace(params, prompt=prompt)
+    gen = replace(params, prompt=prompt, reply=reply, plan=plan)
     if media is not None:  # encoded only once the prompt is known to fit
         runs = await run_in_threadpool(server.vision.runs, engine.model, media)
         gen = replace(gen, runs=runs, cache_prompt=False)
@@ -218,7 +224,7 @@ async def _whole(engine: Engine, request: Request, job: Job, shapes: Shapes, rep
                 return Response(status_code=499)
             kind, value = item.result()
             if kind == "token":
-                reply.push(value)
+                reply.push(*value)
             elif kind == "end":
                 reply.flush()
                 return JSONResponse(shapes.whole(reply, value))
@@ -240,7 +246,10 @@ async def _stream(engine: Engine, job: Job, shapes: Shapes, reply: Reply) -> Asy
         while not ended:
             kind, value = await job.queue.get()
             if kind == "token":
-                text, entries = reply.push(value)
+                text, entries, parts = reply.push(*value)
+                for part in parts:
+                    yield _sse(shapes.chunk(reply, "", [], first=first, part=part))
+                    first = False
                 if text or entries or first:
                     yield _sse(shapes.chunk(reply, text, entries, first=first))
                     first = False

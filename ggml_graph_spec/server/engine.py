@@ -28,7 +28,8 @@ from ..engine.model import Model
 from ..generation.batch import BatchGenerator, Request
 from ..generation.events import StopRules
 from ..generation.sampling import Sampler
-from ..text.chat_template import ReplyFilter
+from ..chat.constraint import Constraint
+from ..chat.reply import ReplyParser
 from .errors import SERVER, SHUTTING_DOWN, ApiError, unavailable
 from .jobs import Job
 from .slot_files import SlotFiles
@@ -203,10 +204,16 @@ class Engine:
         sampler = Sampler(req.sampling)
         sampler.accept(req.prompt[:cached])  # the penalties see the whole prompt, cached or not
         eog = frozenset() if req.ignore_eos or self._eos is None else frozenset({self._eos})
-        show = ReplyFilter(self.model.tokenizer) if req.chat else (lambda _t: True)
+        show, plan = (lambda _t: True), req.plan
+        if req.reply is not None:  # a chat reply: its channels and tool calls parsed as it is sampled
+            job.parser = ReplyParser(self.model.tokenizer, req.reply.start, req.reply.tools,
+                                     reasoning_in_content=req.reply.reasoning_in_content)
+            show, plan = job.parser.feed, req.reply.plan
+        constraint = Constraint(plan, self.model.tokenizer) if plan is not None else None
         prompt = req.prompt[cached:] if req.runs is None else req.runs  # with images: runs of ids and rows
         request = self.batch.add(slot.id, prompt, sampler, StopRules(eog, req.max_tokens, req.stop),
-                                 show=show, logprobs=req.logprobs)
+                                 show=show, logprobs=req.logprobs, constraint=constraint)
+        job.constraint = constraint
         slot.busy, slot.history = True, list(req.prompt[:cached])
         self._running[request] = job
         job.started(slot.id, cached)

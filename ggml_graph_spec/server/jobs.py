@@ -61,6 +61,8 @@ class Job:
     tokens: int = 0
     t_start: float = 0.0
     t_first: float = 0.0
+    parser: object | None = None  # chat/reply.ReplyParser of a chat reply
+    constraint: object | None = None  # chat/constraint.Constraint
 
     def _post(self, item: tuple) -> None:
         try:
@@ -75,10 +77,15 @@ class Job:
         if not self.tokens:
             self.t_first = time.perf_counter()
         self.tokens += 1
-        self._post(("token", event))
+        self._post(("token", (event, self.parser.take() if self.parser is not None else [])))
 
     def end(self, reason: str) -> Result:
         now = time.perf_counter()
+        if self.parser is not None:  # the reply's last deltas (text a decoder held back)
+            self.parser.finish()
+            tail = self.parser.take()
+            if tail:
+                self._post(("token", (TokenEvent(None, ""), tail)))
         first = self.t_first or now
         result = Result(FINISH_REASONS.get(reason, reason), len(self.request.prompt), self.cached, self.tokens,
                         (first - self.t_start) * 1e3 if self.t_start else 0.0, (now - first) * 1e3, self.slot)

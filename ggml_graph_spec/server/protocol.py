@@ -15,15 +15,19 @@ from gguf_arch.errors import KimiError
 
 from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP,
                                    DEFAULT_TOP_K, DEFAULT_TOP_P, SamplingParams)
-from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, reserved_kwargs
+from ..chat.constraint import ConstraintPlan, GrammarError
+from ..chat.grammar import text_grammar
+from ..text.chat_template import (RESERVED_KWARGS, ChatTemplate, encode_marked, has_marks, mark_input,
+                                  reserved_kwargs)
 from ..text.tokenizer import BPETokenizer
 from ..vision.preprocess import MediaItem
 from .errors import bad_request
+from .agent import AgentDefaults, ChatReply, response_format, agent_kwargs, history, reply_settings
 from .media import Vision, image_parts
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_STOP_STRINGS = 16
-ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name for system
 _UNSET = object()
 
 
@@ -42,6 +46,8 @@ class GenRequest:
     cache_prompt: bool  # may reuse a slot's cached prefix (llama-server's cache_prompt)
     ignore_eos: bool
     runs: list | None = None  # a prompt with images: runs of ids and rows (prompt then has -1 at the rows)
+    reply: ChatReply | None = None  # a chat reply's channels, tools and constraint (agent.py)
+    plan: ConstraintPlan | None = None  # a completion's grammar
 
 
 def get_field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any = _UNSET) -> Any:
@@ -196,6 +202,8 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if role not in ROLES:
         raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {_show(role)}")
     content = m.get("content")
+    if role == "tool" and not isinstance(content, (str, list)):
+        raise bad_request(f"'messages[{i}].content' is required for the tool role: the tool's result")
     if content is None and role != "assistant":
         raise bad_request(f"'messages[{i}].content' is required for the {role} role")
     if content is not None and not isinstance(content, (str, list)):
@@ -206,22 +214,47 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    ids: list[int]
+    items: list[MediaItem]
+    reply: ChatReply
+    text: str  # the rendering, input marks included (text/chat_template.py)
+
+
 def chat_prompt(body: Mapping[str, Any], template: ChatTemplate, tokenizer: BPETokenizer,
-                vision: Vision | None = None) -> tuple[list[int], list[MediaItem]]:
-    """/v1/chat/completions' messages rendered with the chat template (and the request's
-    chat_template_kwargs), tokenized as kimi-k3-cli tokenizes a conversation's first turn; and
-    the images of its image_url parts, in order (server/media.py)."""
+                vision: Vision | None = None, defaults: AgentDefaults = AgentDefaults()) -> ChatPrompt:
+    """/v1/chat/completions' messages rendered with the chat template (the request's
+    chat_template_kwargs and agent fields as its variables, every string of the request marked as
+    input), tokenized; the images of its image_url parts, in order (server/media.py); how the
+    reply is parsed and constrained (agent.py)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' is required: a non-empty list of messages")
     checked, items = image_parts([_message(m, i) for i, m in enumerate(messages)], vision)
-    kwargs = get_field(body, "chat_template_kwargs", (dict,), "an object", {})
+    kwargs = dict(get_field(body, "chat_template_kwargs", (dict,), "an object", {}))
     reserved = reserved_kwargs(kwargs)
     if reserved:
         raise bad_request(f"'chat_template_kwargs' may not set {', '.join(map(repr, reserved))} (reserved: "
                           f"{', '.join(RESERVED_KWARGS)})")
-    text = _render(lambda: template.render(checked, add_generation_prompt=True, **kwargs))
-    return tokenizer.encode(text), items
+    tools, choice, response = agent_kwargs(body, kwargs, defaults)
+    if has_marks(checked) or has_marks(kwargs):
+        raise bad_request("the request holds U+10FFFE or U+10FFFF, noncharacters this server reserves for its own use")
+    marked, marked_kwargs = mark_input(history(checked), tokenizer), mark_input(kwargs, tokenizer)
+    text = _render(lambda: template.render(marked, add_generation_prompt=True, **marked_kwargs))
+    reply = reply_settings(body, text, tokenizer, tools, choice, response, defaults)
+    return ChatPrompt(encode_marked(text, tokenizer), items, reply, text)
+
+
+def completion_plan(body: Mapping[str, Any], tokenizer: BPETokenizer) -> ConstraintPlan | None:
+    """/v1/completions' json_schema, grammar or response_format: the whole text is constrained."""
+    response, _told = response_format(body)
+    if response is None:
+        return None
+    try:
+        return ConstraintPlan.build(tokenizer, None, grammar=text_grammar(response))
+    except GrammarError as exc:
+        raise bad_request(str(exc)) from None
 
 
 def _render(render: Callable[[], str]) -> str:

@@ -1,11 +1,19 @@
 """What the server sends back, in OpenAI's shapes: chat completions and text completions, whole or
 as stream chunks, with `usage` (its `prompt_tokens_details.cached_tokens` from the prompt cache),
-log-probabilities, and llama-server's `timings`."""
+log-probabilities, and llama-server's `timings`.
+
+A chat reply's parts come from the reply parser (chat/reply.py): `content` (stop strings cut),
+`reasoning_content` (the think channel, unless reasoning_format is none) and `tool_calls`, each
+streamed as OpenAI streams it (`delta.reasoning_content`, `delta.content`, `delta.tool_calls[i]`
+with the call's id and name first, then pieces of its `arguments`). The whole reply is what the
+stream's pieces add up to.
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from ..chat.reply import Delta
 from ..generation.events import TokenEvent
 from ..text.tokenizer import BPETokenizer
 from .jobs import Result
@@ -21,11 +29,13 @@ def usage(result: Result) -> dict:
 
 @dataclass
 class Reply:
-    """One reply as it comes: its text (stop strings cut), its log-probabilities."""
+    """One reply as it comes: its text (stop strings cut), reasoning, tool calls, log-probabilities."""
 
     request: GenRequest
     tokenizer: BPETokenizer
     text: str = ""
+    reasoning: str = ""
+    calls: list[dict] = field(default_factory=list)  # OpenAI's tool_calls, arguments growing
     logprobs: list[dict] = field(default_factory=list)  # chat: one entry per token
     legacy: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                                   "text_offset": []})
@@ -34,8 +44,9 @@ class Reply:
     def __post_init__(self) -> None:
         self._stops = StopText(self.request.stop)
 
-    def push(self, event: TokenEvent) -> tuple[str, list[dict]]:
-        """The text this token releases and the chat log-probability entries it adds."""
+    def push(self, event: TokenEvent, deltas: list[Delta] = ()) -> tuple[str, list[dict], list[dict]]:
+        """What this token releases: its content text, the chat log-probability entries it adds, and
+        the reply's other parts it adds (stream delta objects: reasoning, tool calls)."""
         piece = self._stops.push(event.text)
         entries = []
         if self.request.logprobs >= 0 and event.token is not None and event.stop != "eog" and not self._stops.stopped:
@@ -43,7 +54,22 @@ class Reply:
             self.logprobs += entries
             self._legacy(event)
         self.text += piece
-        return piece, entries
+        return piece, entries, [d for d in map(self._part, deltas) if d is not None]
+
+    def _part(self, d: Delta) -> dict | None:
+        reply = self.request.reply
+        if d.kind == "reasoning":
+            if reply is None or not reply.reasoning_separate:
+                return None
+            self.reasoning += d.text
+            return {"reasoning_content": d.text}
+        if d.kind == "call":
+            self.calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+            return {"tool_calls": [{"index": d.index, **self.calls[-1]}]}
+        if d.kind == "arguments":
+            self.calls[d.index]["function"]["arguments"] += d.text
+            return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
+        return None  # content: the token's own text (event.text), stop strings applied
 
     def flush(self) -> str:
         tail = self._stops.flush()
@@ -51,7 +77,20 @@ class Reply:
         return tail
 
     def finish_reason(self, result: Result) -> str:
-        return "stop" if self._stops.stopped else result.finish_reason
+        if self._stops.stopped:
+            return "stop"
+        if self.calls and result.finish_reason == "stop":
+            return "tool_calls"
+        return result.finish_reason
+
+    def message(self) -> dict:
+        """The whole chat message."""
+        msg: dict = {"role": "assistant", "content": self.text if self.text or not self.calls else None}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        return msg
 
     def _piece(self, token: int) -> tuple[str, list[int]]:
         data = self.tokenizer.token_bytes(token)
@@ -97,15 +136,19 @@ class Shapes:
     def whole(self, reply: Reply, result: Result) -> dict:
         choice = {"index": 0, "logprobs": self._logprobs(reply), "finish_reason": reply.finish_reason(result)}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
+            choice["message"] = reply.message()
         else:
             choice["text"] = reply.text
         return {**self._head(False), "choices": [choice], "usage": usage(result), "timings": result.timings()}
 
-    def chunk(self, reply: Reply, text: str, entries: list[dict], *, first: bool = False) -> dict:
+    def chunk(self, reply: Reply, text: str, entries: list[dict], *, first: bool = False,
+              part: dict | None = None) -> dict:
+        """A stream chunk: content text (with its log-probabilities), or one other `part` of the
+        reply (reasoning_content, tool_calls)."""
         choice: dict = {"index": 0, "finish_reason": None}
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = dict(part) if part is not None else {"content": text}
+            choice["delta"] = {"role": "assistant", **delta} if first else delta
             choice["logprobs"] = self._logprobs(reply, entries) if entries else None
         else:
             choice["text"] = text

@@ -62,6 +62,53 @@ def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: tu
             f"chat template: the GGUF has no {CHAT_TEMPLATE_KEY}; using the built-in K3 template")
 
 
+# Input marking: a special token's spelling inside a request's own strings (a message, a tool's
+# arguments, a schema) is text, never the token; only the template's own markup is. The strings are
+# marked before rendering (each spelling wrapped in two noncharacters, which every filter a template
+# applies keeps) and the rendering is tokenized span by span (llama.cpp's Jinja engine marks input
+# the same way, common/jinja/README.md "Input Marking").
+MARK_START, MARK_END = "\U0010fffe", "\U0010ffff"
+
+
+def mark_input(value: Any, tokenizer: BPETokenizer) -> Any:
+    """`value` (strings, lists, mappings) with every special token's spelling marked as text."""
+    if isinstance(value, str):
+        return tokenizer.special_pattern.sub(lambda m: MARK_START + m.group() + MARK_END, value) \
+            if tokenizer.special_pattern is not None else value
+    if isinstance(value, list):
+        return [mark_input(v, tokenizer) for v in value]
+    if isinstance(value, dict):
+        return {k: mark_input(v, tokenizer) for k, v in value.items()}
+    return value
+
+
+def has_marks(value: Any) -> bool:
+    """Whether a request's strings already hold the marks (they are refused: they would be taken
+    for marks)."""
+    if isinstance(value, str):
+        return MARK_START in value or MARK_END in value
+    if isinstance(value, list):
+        return any(has_marks(v) for v in value)
+    if isinstance(value, dict):
+        return any(has_marks(k) or has_marks(v) for k, v in value.items())
+    return False
+
+
+def encode_marked(text: str, tokenizer: BPETokenizer) -> list[int]:
+    """Token ids of a rendering of marked input: special tokens parsed outside the marks only
+    (and the BOS first when the GGUF asks for one, as `encode` adds it)."""
+    ids: list[int] = tokenizer.encode("") if tokenizer.add_bos else []
+    for i, chunk in enumerate(text.split(MARK_START)):
+        inside, _, outside = chunk.partition(MARK_END) if i else ("", "", chunk)
+        ids += tokenizer.encode(inside, add_bos=False, allow_special=False) if inside else []
+        ids += tokenizer.encode(outside, add_bos=False) if outside else []
+    return ids
+
+
+def unmark(text: str) -> str:
+    return text.replace(MARK_START, "").replace(MARK_END, "")
+
+
 class ReplyFilter:
     """Which tokens of a chat reply are shown: no special tokens, no XTML tag names or attributes."""
 

@@ -97,6 +97,11 @@ class BPETokenizer:
                    eos_id=_field(reader, Keys.Tokenizer.EOS_ID, required=False), add_bos=bool(add_bos))
 
     @property
+    def special_pattern(self) -> regex.Pattern | None:
+        """What spells a special token in text (the longest spelling first), None without any."""
+        return self._special
+
+    @property
     def vocab_size(self) -> int:
         return len(self._bytes)
 

@@ -41,10 +41,11 @@ def _metrics(server) -> dict[str, float]:
 # ---- the same replies as kimi-k3-cli ---------------------------------------------------------------
 
 def test_chat_reply_equals_the_cli_conversation(server, client, k3_tiny_gguf):
+    # reasoning_format none: the think channel's text stays in the reply's text, as the CLI prints it
     cli = run_runner("-m", k3_tiny_gguf, "-cnv", "-p", "Hello there", "-n", 6, "--temp", 0, "-c", 1024,
-                     "-t", 2, "--exact-experts", stdin="")
+                     "-t", 2, "--exact-experts", "--reasoning-format", "none", stdin="")
     assert cli.returncode == 0, cli.stderr
-    r = _chat(client, "Hello there")
+    r = _chat(client, "Hello there", extra_body={"reasoning_format": "none"})
     assert r.choices[0].message.content + "\n" == cli.stdout
     assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
@@ -80,7 +81,9 @@ def test_models_lists_the_alias_and_health_is_ok(server, client):
 
 
 def test_logprobs_are_the_model_distribution(server, client):
-    r = _chat(client, "Hello there", logprobs=True, top_logprobs=3)
+    # Every sampled token has its entry, the think channel's too: with reasoning_format none the reply's
+    # text is all of them.
+    r = _chat(client, "Hello there", logprobs=True, top_logprobs=3, extra_body={"reasoning_format": "none"})
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert "".join(e.token for e in content) == r.choices[0].message.content  # no special token in this reply
