@@ -14,11 +14,7 @@ sampling and told every sampled token after.
   in or after the response channel (it could only open a tools section);
 * a reasoning budget of N tokens: once the think channel has N tokens, the next ones are forced to
   the budget message (if any) and `<|close|>think<|sep|>`; 0 closes it at once;
-* closing in time: a grammar's reply that nears its token limit (max_tokens or the context) is
-  steered to end: in its last `closing_margin` tokens, of the tokens the grammar allows, the first
-  of CLOSERS (`<|end_of_msg|>`, `<|close|>`, `<|sep|>`, `"`, `}`, `]`, `0`, `:`, `,`) is taken, so
-  strings close, structures close, required parts are written shortest-first. The weights choose
-  only where none of them is allowed. A reply that could not close in time ends "length".
+* ending in time: a grammar's reply near its token limit is steered to a valid end (closing.py).
 
 llguidance computes each mask; the matcher of a request is compiled in the request's worker
 thread (bounded by LIMITS), so a step of the engine never waits for a compilation.
@@ -32,33 +28,10 @@ import numpy as np
 from gguf_arch.arch import xtml
 
 from ..text.tokenizer import BPETokenizer
+from .closing import Bits, EndInTime
 from .grammar import ReplySpec, reply_grammar, tools_grammar
 from .reply import ReplyParser
 from .vocab import ll_tokenizer
-
-# The tokens that bring a grammar's reply to its end soonest, best first (see above).
-CLOSERS = (xtml.END_OF_MSG, xtml.CLOSE, xtml.SEP, '"', "}", "]", "0", ":", ",")
-MIN_CLOSING_MARGIN, MAX_CLOSING_MARGIN = 32, 256
-
-
-def closing_margin(limit: int) -> int:
-    """Tokens before a reply's limit from which it is steered to close: a quarter of the limit,
-    within [32, 256]."""
-    return max(MIN_CLOSING_MARGIN, min(MAX_CLOSING_MARGIN, limit // 4))
-
-
-def closer_ids(tokenizer: BPETokenizer) -> list[int]:
-    """CLOSERS as single tokens of this vocabulary (those it spells with one token)."""
-    ids = []
-    for text in CLOSERS:
-        found = tokenizer.special_id(text)
-        if found is None:
-            one = tokenizer.encode(text, add_bos=False, allow_special=False)
-            found = one[0] if len(one) == 1 else None
-        if found is not None:
-            ids.append(found)
-    return ids
-
 
 # The most a grammar may cost to build and to run a step (llguidance's own limits, made stricter
 # where a hostile schema could make a request slow): its size in symbols and the lexer's work.
@@ -134,8 +107,8 @@ class Constraint:
         self._think_tokens = 0
         self._budget_spent = plan.budget < 0
         self.error = ""
-        self._bits = None
-        self._closers = closer_ids(tokenizer) if plan.full is not None or plan.lazy is not None else []
+        self._bits: Bits | None = None
+        self._end: EndInTime | None = None
         if plan.budget == 0:
             self._force_closer()
 
@@ -144,18 +117,13 @@ class Constraint:
         self._forced.extend(self.plan.closer)
 
     # ---- masking ---------------------------------------------------------------------------------
-    def mask(self, logits: np.ndarray, closing: bool = False) -> np.ndarray:
-        """`logits` with every token this constraint forbids at -inf (a copy when changed);
-        `closing`: the reply is within its closing margin of its limit."""
+    def mask(self, logits: np.ndarray, room: int | None = None) -> np.ndarray:
+        """`logits` with every token this constraint forbids at -inf (a copy when changed); `room`:
+        the tokens the reply may still take (None: no limit)."""
         if self._forced:
             return _only(logits, self._forced[0])
         if self._matcher is not None:
-            allowed = self._allowed(logits.shape[-1])
-            if closing:
-                best = next((t for t in self._closers if allowed[t]), None)
-                if best is not None:
-                    return _only(logits, best)
-            return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
+            return self._grammar_mask(logits, room)
         if self.plan.ban_open and self._after_response() and self._open is not None:
             out = logits.copy()
             out[self._open] = -np.inf
@@ -166,15 +134,22 @@ class Constraint:
         ch = self._channels.channel
         return ch == "response" or (ch == "between" and self._channels.responded)
 
-    def _allowed(self, n: int) -> np.ndarray:
+    def _grammar_mask(self, logits: np.ndarray, room: int | None) -> np.ndarray:
+        n = logits.shape[-1]
         if self._bits is None:
-            self._bits = np.zeros((n + 31) // 32, dtype=np.int32)
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=n).astype(bool)
-        if not allowed.any():  # a matcher that cannot go on (it never should): end the reply
+            self._bits, self._end = Bits(n), EndInTime(self._tok, n)
+        bits = self._bits.fill(self._matcher)
+        if bits.lowest() is None:  # it cannot go on (it never should): end the reply
             self.error = self.error or (self._matcher.get_error() or "the grammar allows no token")
-            allowed[self._eos] = True
-        return allowed
+            return _only(logits, self._eos)
+        banned: list[int] = []
+        if room is not None:
+            token, banned = self._end.steer(self._matcher, bits, room)
+            if token is not None:
+                return _only(logits, token)
+        allowed = bits.array()
+        allowed[banned] = False
+        return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
 
     # ---- accepting -------------------------------------------------------------------------------
     def accept(self, token: int) -> None:

@@ -73,7 +73,23 @@ def lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that lists its `properties` and says nothing of others closed
+    to them (`additionalProperties: false`), as llama.cpp's and xgrammar's schema converters read
+    it: a reply writes the keys the schema names, not made-up ones."""
+    if isinstance(schema, list):
+        return [closed_objects(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def _json(schema: Any) -> str:
+    schema = closed_objects(schema)
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
     elif schema is True:

@@ -29,7 +29,6 @@ from typing import Callable, Sequence, Union
 import numpy as np
 
 from ..engine.model import Model
-from ..chat.constraint import closing_margin
 from .events import Reply, StopRules, Timings, TokenEvent, stop_reason
 from .sampling import Sampler, log_softmax, top_logprobs
 
@@ -159,18 +158,14 @@ class BatchGenerator:
         self.timings.eval_s += share * decode
         self.timings.eval_runs += 1 if decode else 0
 
-    def _closing(self, r: Request) -> bool:
-        """Whether the request's next token is within its constraint's closing margin of its limit
-        (-n / max_tokens, or the context)."""
+    def _room(self, r: Request) -> int:
+        """The tokens a request may still sample, this one included (-n / max_tokens, the context)."""
         room = self.model.n_ctx - self.model.seq_pos(r.seq) - 1
-        if r.stop.n_predict >= 0:
-            room = min(room, r.stop.n_predict - len(r.reply.tokens))
-        return room <= closing_margin(min(self.model.n_ctx, r.stop.n_predict) if r.stop.n_predict >= 0
-                                      else self.model.n_ctx)
+        return min(room, r.stop.n_predict - len(r.reply.tokens)) if r.stop.n_predict >= 0 else room
 
     def _sample(self, r: Request, logits: np.ndarray) -> TokenEvent:
         t = time.perf_counter()
-        masked = logits if r.constraint is None else r.constraint.mask(logits, self._closing(r))
+        masked = logits if r.constraint is None else r.constraint.mask(logits, self._room(r))
         token = r.sampler(masked)
         if r.constraint is not None:
             r.constraint.accept(token)

@@ -65,7 +65,8 @@ class Reply:
             return {"reasoning_content": d.text}
         if d.kind == "call":
             self.calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
-            return {"tool_calls": [{"index": d.index, **self.calls[-1]}]}
+            return {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                    "function": {"name": d.name, "arguments": ""}}]}
         if d.kind == "arguments":
             self.calls[d.index]["function"]["arguments"] += d.text
             return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}

@@ -1,0 +1,120 @@
+"""Ending in time: a reply under a grammar that nears its token limit (max_tokens, or the context)
+is steered to a valid end instead of being cut mid-structure.
+
+While the room left is at most MAX_LOOKAHEAD tokens, each step looks ahead on a copy of the
+matcher: how many tokens the closing policy takes from here to the grammar's end (`shortest`).
+The closing policy takes what the grammar forces (llguidance's canonical tokens of a required
+name, say), else the first allowed of CLOSERS, else the lowest allowed id (a single byte). Then:
+
+* once the room is down to that count (and SLACK), every token is the closing policy's own, and
+  the weights choose only where it has no token (text the grammar requires but does not spell);
+* before that, an allowed token of OPENERS (`<|open|>`, `{`, `[`, `,`, `"`) that would make the
+  end unreachable in the room left is not allowed: a new call or object is started only if it
+  can still be finished.
+
+So strings close, structures close and required parts are written shortest-first, whatever the
+weights; a reply ends "length" only when even its shortest end did not fit when the look-ahead
+began. Outside its last MAX_LOOKAHEAD tokens a reply is never touched by this.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gguf_arch.arch import xtml
+
+from ..text.tokenizer import BPETokenizer
+
+# `"` before `}`: inside a string `}` is only a character; outside one, `"` opens a declared key or
+# a string value, both finite (grammar.py closes objects to their declared properties). `,` before
+# `0`: a number the weights began never grows digit by digit.
+CLOSERS = (xtml.END_OF_MSG, xtml.CLOSE, xtml.SEP, '"', "}", "]", ",", ":", "0")
+OPENERS = (xtml.OPEN, "{", "[", ",", '"')
+MAX_LOOKAHEAD = 256  # the room (tokens) from which a reply looks ahead
+SLACK = 2  # tokens of room kept beyond the look-ahead's count
+
+
+def _ids(tokenizer: BPETokenizer, texts: tuple[str, ...]) -> list[int]:
+    """`texts` as single tokens of this vocabulary (those it spells with one token)."""
+    ids = []
+    for text in texts:
+        found = tokenizer.special_id(text)
+        if found is None:
+            one = tokenizer.encode(text, add_bos=False, allow_special=False)
+            found = one[0] if len(one) == 1 else None
+        if found is not None:
+            ids.append(found)
+    return ids
+
+
+class Bits:
+    """A matcher's mask as llguidance writes it: one bit per token."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.words = np.zeros((n + 31) // 32, dtype=np.int32)
+
+    def fill(self, matcher) -> "Bits":
+        matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        return self
+
+    def __contains__(self, token: int) -> bool:
+        return bool((int(self.words[token >> 5]) >> (token & 31)) & 1)
+
+    def lowest(self) -> int | None:
+        nz = np.flatnonzero(self.words)
+        if not nz.size:
+            return None
+        w = int(self.words[nz[0]]) & 0xFFFFFFFF
+        return int(nz[0]) * 32 + (w & -w).bit_length() - 1
+
+    def array(self) -> np.ndarray:
+        return np.unpackbits(self.words.view(np.uint8), bitorder="little", count=self.n).astype(bool)
+
+
+class EndInTime:
+    def __init__(self, tokenizer: BPETokenizer, n_vocab: int) -> None:
+        self._closers = _ids(tokenizer, CLOSERS)
+        self._openers = _ids(tokenizer, OPENERS)
+        self._eos = tokenizer.eos_id
+        self._scratch = Bits(n_vocab)
+        self.closing = False  # steered to the end (sticky)
+
+    def policy(self, matcher, bits: Bits) -> int | None:
+        """The closing policy's token in the matcher's state (bits: its mask); None: none."""
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            return forced[0]
+        return next((t for t in self._closers if t in bits), None)
+
+    def shortest(self, matcher, cap: int, first: int | None = None) -> int:
+        """Tokens from here (after `first`, counted, when given) to the grammar's end by the
+        closing policy; `cap` when more."""
+        shadow = matcher.deep_copy()
+        n = 0
+        if first is not None:
+            shadow.consume_token(first)
+            n = 1
+        while n < cap:
+            if shadow.is_stopped() or shadow.is_error():
+                return n
+            bits = self._scratch.fill(shadow)
+            choice = self.policy(shadow, bits)
+            choice = bits.lowest() if choice is None else choice
+            if choice is None:
+                return n
+            n += 1
+            if choice == self._eos and shadow.is_accepting():
+                return n
+            shadow.consume_token(choice)
+        return cap
+
+    def steer(self, matcher, bits: Bits, room: int) -> tuple[int | None, list[int]]:
+        """The token the reply must take now (None: the weights choose) and the tokens it may not."""
+        if room > MAX_LOOKAHEAD:
+            return None, []
+        if not self.closing:
+            self.closing = room <= self.shortest(matcher, room + 1) + SLACK
+        if self.closing:
+            return self.policy(matcher, bits), []
+        banned = [t for t in self._openers if t in bits and self.shortest(matcher, room + 1, first=t) + SLACK > room]
+        return None, banned
