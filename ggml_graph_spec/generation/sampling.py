@@ -36,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0: off; subtracted once from each token in the window
     frequency_penalty: float = 0.0  # 0: off; subtracted once per occurrence in the window
     suppress: frozenset[int] = frozenset()  # token ids never sampled
+    bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
 
     @property
     def greedy(self) -> bool:
@@ -124,8 +125,10 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         logits = np.asarray(logits, dtype=np.float32).reshape(-1)
-        if self.params.suppress:
+        if self.params.suppress or self.params.bias:
             logits = logits.copy()
+            for token, value in self.params.bias:
+                logits[token] += np.float32(value)
             logits[list(self.params.suppress)] = -np.inf
         logits = repeat_penalty(logits, self._recent, self.params.repeat_penalty)
         logits = presence_frequency_penalty(logits, self._recent, self.params.presence_penalty,

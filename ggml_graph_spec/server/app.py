@@ -183,7 +183,7 @@ async def _generate(server: Server, request: Request, chat: bool) -> Response:
     engine = server.need_engine()
     body = protocol.check_object(await server.body(request))
     tok = engine.model.tokenizer
-    params = protocol.gen_request(body, [], chat, tok.eos_id)  # every field checked before any tokenizing
+    params = protocol.gen_request(body, [], chat, tok.eos_id, tok.vocab_size)  # every field checked before any tokenizing
     reply, plan = None, None
     if chat:
         cp = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok, server.vision,

@@ -3,7 +3,7 @@ extensions (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `ignore_eos`, `
 `n_predict`), each with its type and range; anything else is one 400 naming the field.
 
 Defaults are the CLI's (llama-server's): a field left out means what `kimi-k3-cli` does without
-its flag. Unknown fields are ignored, as OpenAI's clients send some of their own.
+its flag. A field the endpoint does not take is refused by name (fields.py).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ..text.chat_template import (RESERVED_KWARGS, ChatTemplate, encode_marked, 
 from ..text.tokenizer import BPETokenizer
 from ..vision.preprocess import MediaItem
 from .errors import bad_request
+from .fields import CHAT, COMPLETIONS, check_fields
 from .agent import AgentDefaults, ChatReply, response_format, agent_kwargs, history, reply_settings
 from .media import Vision, image_parts
 
@@ -90,10 +91,37 @@ def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return get_field(body, name, (bool,), "true or false", default)
 
 
-def sampling_params(body: Mapping[str, Any], suppress: frozenset[int]) -> SamplingParams:
+MAX_BIAS = 100.0
+
+
+def logit_bias(body: Mapping[str, Any], vocab: int) -> tuple[frozenset[int], tuple[tuple[int, float], ...]]:
+    """OpenAI's logit_bias ({"token id": bias}) or llama-server's [[id, bias], ...]: the tokens
+    never sampled (bias -100, or false) and the biases added to the others' logits."""
+    value = body.get("logit_bias")
+    if value is None:
+        return frozenset(), ()
+    pairs = list(value.items()) if isinstance(value, dict) else value if isinstance(value, list) else None
+    if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise bad_request("'logit_bias' must map token ids to biases: {\"123\": -100}")
+    banned, biases = set(), []
+    for key, bias in pairs:
+        tid = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else None
+        if tid is None or isinstance(key, bool) or not 0 <= tid < vocab:
+            raise bad_request(f"'logit_bias': {key!r} is not a token id of the vocabulary 0..{vocab - 1}")
+        if bias is False or (isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias == -MAX_BIAS):
+            banned.add(tid)
+        elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and -MAX_BIAS < bias <= MAX_BIAS:
+            biases.append((tid, float(bias)))
+        else:
+            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100], got {bias!r}")
+    return frozenset(banned), tuple(biases)
+
+
+def sampling_params(body: Mapping[str, Any], suppress: frozenset[int], vocab: int = 1 << 31) -> SamplingParams:
     """temperature, top_p, top_k, min_p, seed, repeat_penalty / repeat_last_n, presence_penalty,
     frequency_penalty: llama-server's names and meanings (temperature <= 0 is greedy; -1 seed: random)."""
     seed = _integer(body, "seed", -1, -1, 2**64 - 1)
+    banned, biases = logit_bias(body, vocab)
     return SamplingParams(
         temp=_number(body, "temperature", DEFAULT_TEMP, 0.0, None),
         top_k=_integer(body, "top_k", DEFAULT_TOP_K, 0),
@@ -104,7 +132,7 @@ def sampling_params(body: Mapping[str, Any], suppress: frozenset[int]) -> Sampli
         repeat_last_n=_integer(body, "repeat_last_n", DEFAULT_REPEAT_LAST_N, 0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        suppress=suppress)
+        suppress=suppress | banned, bias=biases)
 
 
 def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -146,14 +174,15 @@ def _n(body: Mapping[str, Any]) -> None:
         raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}")
 
 
-def gen_request(body: Any, prompt: list[int], chat: bool, eos: int | None) -> GenRequest:
+def gen_request(body: Any, prompt: list[int], chat: bool, eos: int | None, vocab: int = 1 << 31) -> GenRequest:
     """The generation a checked body asks for, on already tokenized `prompt`."""
+    check_fields(body, CHAT if chat else COMPLETIONS, "/v1/chat/completions" if chat else "/v1/completions")
     _n(body)
     ignore_eos = _flag(body, "ignore_eos", False)
     options = get_field(body, "stream_options", (dict,), "an object", {})
     return GenRequest(
         prompt=prompt,
-        sampling=sampling_params(body, frozenset({eos}) if ignore_eos and eos is not None else frozenset()),
+        sampling=sampling_params(body, frozenset({eos}) if ignore_eos and eos is not None else frozenset(), vocab),
         max_tokens=_max_tokens(body), stop=_stops(body), logprobs=_logprobs(body, chat),
         stream=_flag(body, "stream", False), include_usage=_flag(options, "include_usage", False),
         chat=chat, cache_prompt=_flag(body, "cache_prompt", True), ignore_eos=ignore_eos)
