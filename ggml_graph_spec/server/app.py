@@ -1,6 +1,8 @@
 """The ASGI application: llama-server's endpoints with OpenAI's shapes, on FastAPI.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health
+    POST /v1/responses (OpenAI's Responses)   POST /v1/messages, /v1/messages/count_tokens (Anthropic's)
+    POST /apply-template   POST /v1/chat/completions/input_tokens
     GET /metrics   GET /slots   POST /slots/{id}?action=save|restore|erase   GET /props
     POST /tokenize   POST /detokenize   GET / (the chat page)
 
@@ -10,20 +12,19 @@ job to the engine thread (engine.py) and relay what it posts back, whole or as s
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from ..text.chat_template import ChatTemplate
-from . import http, protocol
+from ..text.chat_template import ChatTemplate, unmark
+from . import http, protocol, streams
 from .agent import AgentDefaults
 from .engine import Engine
 from .errors import EXCEED_CONTEXT, LOADING, NOT_SUPPORTED, ApiError, bad_request, unavailable
@@ -31,6 +32,10 @@ from .jobs import Job
 from .media import Vision
 from .metrics import registry_for, render
 from .replies import Reply, Shapes
+from . import messages_api, responses_api
+from .messages_api import MessagesApi
+from .responses_api import ResponsesApi
+from .streams import ChatApi
 from .slot_files import ACTIONS
 
 STATIC = Path(__file__).with_name("static")
@@ -69,12 +74,14 @@ class Server:
         return await http.read_json(request, self.settings.max_body, self.settings.timeout)
 
 
-def model_props(model, api_key_required: bool, template_where: str) -> dict:
-    """/props (and the `meta` of /v1/models): the slots, the context of each, the model."""
+def model_props(model, api_key_required: bool, template_where: str, template_text: str = "") -> dict:
+    """/props (and the `meta` of /v1/models): the slots, the context of each, the model, the chat
+    template's text (llama-server's `chat_template`) and where it came from."""
     stat = model.weights.path.stat()
     meta = {"n_vocab": model.cfg.vocab_size, "n_ctx_train": model.cfg.context_length, "n_ctx": model.n_ctx,
             "size": stat.st_size, "created": int(stat.st_mtime)}
-    return {"total_slots": model.n_seq, "model_path": str(model.weights.path), "chat_template": template_where,
+    return {"total_slots": model.n_seq, "model_path": str(model.weights.path), "chat_template": template_text,
+            "chat_template_source": template_where,
             "api_key_required": api_key_required, "meta": meta, "default_generation_settings": {"n_ctx": model.n_ctx}}
 
 
@@ -85,6 +92,7 @@ def build_app(server: Server) -> Any:
     app.add_exception_handler(Exception, http.internal_error(server.log))
     _info_routes(app, server)
     _generation_routes(app, server)
+    _agent_routes(app, server)
     _slot_routes(app, server)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     guarded = http.ApiKey(app, server.settings.api_key)
@@ -154,6 +162,44 @@ def _generation_routes(app: FastAPI, server: Server) -> None:
         return JSONResponse({"content": await run_in_threadpool(tok.decode, ids)})
 
 
+def _agent_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/responses")
+    @app.post("/responses")
+    async def responses(request: Request) -> Response:
+        raw = await server.body(request)
+        body = responses_api.chat_body(raw)
+        return await _generate(server, request, True, body, lambda _job: ResponsesApi(server.settings.alias, raw))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        raw = await server.body(request)
+        body = messages_api.chat_body(raw)
+        return await _generate(server, request, True, body, lambda _job: MessagesApi(server.settings.alias))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        body = messages_api.chat_body({k: v for k, v in (await server.body(request)).items() if k != "max_tokens"}
+                                      | {"max_tokens": 1})
+        return JSONResponse({"input_tokens": len((await _rendered(server, body)).ids)})
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> Response:
+        """llama-server's: the prompt a chat request renders to, as text."""
+        return JSONResponse({"prompt": unmark((await _rendered(server, await server.body(request))).text)})
+
+    @app.post("/v1/chat/completions/input_tokens")
+    async def input_tokens(request: Request) -> Response:
+        return JSONResponse({"input_tokens": len((await _rendered(server, await server.body(request))).ids)})
+
+
+async def _rendered(server: Server, body: Any) -> protocol.ChatPrompt:
+    engine = server.need_engine()
+    body = protocol.check_object(body)
+    protocol.gen_request(body, [], True, engine.model.tokenizer.eos_id, engine.model.tokenizer.vocab_size)
+    return await run_in_threadpool(protocol.chat_prompt, body, server.template, engine.model.tokenizer,
+                                   server.vision, server.settings.agent)
+
+
 def _slot_routes(app: FastAPI, server: Server) -> None:
     @app.get("/slots")
     async def slots() -> Response:
@@ -179,11 +225,28 @@ def _slot_routes(app: FastAPI, server: Server) -> None:
 
 # ---- generation ----------------------------------------------------------------------------------
 
-async def _generate(server: Server, request: Request, chat: bool) -> Response:
+async def _generate(server: Server, request: Request, chat: bool, body: Any = None,
+                    api_of: Callable[[Any], Any] | None = None) -> Response:
+    """A chat or text completion (`body`: a chat request another API was turned into; `api_of`:
+    the adapter of that API's shapes, given the job)."""
     engine = server.need_engine()
-    body = protocol.check_object(await server.body(request))
+    if body is None:
+        body = protocol.check_object(await server.body(request))
+    gen = await _job_request(server, engine, body, chat)
+    job = Job(gen, asyncio.get_running_loop())
+    engine.submit(job)
+    reply = Reply(gen, engine.model.tokenizer)
+    api = api_of(job) if api_of is not None else ChatApi(Shapes(server.settings.alias, chat, job.id))
+    if gen.stream:
+        return EventSourceResponse(streams.stream(engine, job, api, reply))
+    return await streams.relay(engine, request, job, api, reply)
+
+
+async def _job_request(server: Server, engine: Engine, body: Any, chat: bool) -> protocol.GenRequest:
+    """What the engine runs for `body`: checked, rendered, tokenized, its grammar compiled and its
+    images encoded (in worker threads, beside the engine's steps)."""
     tok = engine.model.tokenizer
-    params = protocol.gen_request(body, [], chat, tok.eos_id, tok.vocab_size)  # every field checked before any tokenizing
+    params = protocol.gen_request(body, [], chat, tok.eos_id, tok.vocab_size)  # every field checked first
     reply, plan = None, None
     if chat:
         cp = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok, server.vision,
@@ -204,64 +267,4 @@ async def _generate(server: Server, request: Request, chat: bool) -> Response:
     if media is not None:  # encoded only once the prompt is known to fit
         runs = await run_in_threadpool(server.vision.runs, engine.model, media)
         gen = replace(gen, runs=runs, cache_prompt=False)
-    job = Job(gen, asyncio.get_running_loop())
-    engine.submit(job)
-    shapes, reply = Shapes(server.settings.alias, chat, job.id), Reply(gen, tok)
-    if gen.stream:
-        return EventSourceResponse(_stream(engine, job, shapes, reply))
-    return await _whole(engine, request, job, shapes, reply)
-
-
-async def _whole(engine: Engine, request: Request, job: Job, shapes: Shapes, reply: Reply) -> Response:
-    gone = asyncio.ensure_future(http.until_disconnect(request))
-    try:
-        while True:
-            item = asyncio.ensure_future(job.queue.get())
-            await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not item.done():  # the client went away: free its slot at the next step
-                item.cancel()
-                engine.cancel(job)
-                return Response(status_code=499)
-            kind, value = item.result()
-            if kind == "token":
-                reply.push(*value)
-            elif kind == "end":
-                reply.flush()
-                return JSONResponse(shapes.whole(reply, value))
-            else:
-                raise value
-    finally:
-        gone.cancel()
-
-
-def _sse(obj: dict) -> bytes:
-    return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
-
-
-async def _stream(engine: Engine, job: Job, shapes: Shapes, reply: Reply) -> AsyncIterator[bytes]:
-    """The reply as server-sent events ending in `data: [DONE]`; a failure mid-stream is an
-    `error` object as the last event (llama-server's way). A client that goes away cancels the job."""
-    ended, first = False, True
-    try:
-        while not ended:
-            kind, value = await job.queue.get()
-            if kind == "token":
-                text, entries, parts = reply.push(*value)
-                for part in parts:
-                    yield _sse(shapes.chunk(reply, "", [], first=first, part=part))
-                    first = False
-                if text or entries or first:
-                    yield _sse(shapes.chunk(reply, text, entries, first=first))
-                    first = False
-                continue
-            ended = True
-            if kind == "error":
-                yield _sse(value.body())
-                return
-            yield _sse(shapes.last_chunk(reply, value, reply.flush()))
-            if reply.request.include_usage:
-                yield _sse(shapes.usage_chunk(value))
-            yield format_sse_event(data_str="[DONE]")
-    finally:
-        if not ended:
-            engine.cancel(job)
+    return gen

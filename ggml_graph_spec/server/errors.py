@@ -45,3 +45,14 @@ def unavailable(message: str, retry_after: int | None = None) -> ApiError:
 
 LOADING = "Loading model"  # llama-server's words while the model loads
 SHUTTING_DOWN = "the server is shutting down"
+
+
+# Anthropic's error types, by HTTP status (its Messages API answers in its own shape).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    413: "request_too_large", 500: "api_error", 503: "overloaded_error"}
+
+
+def anthropic_error(error: ApiError) -> dict:
+    """The error object of Anthropic's API: {"type": "error", "error": {"type", "message"}}."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "api_error"),
+                                       "message": error.message}}

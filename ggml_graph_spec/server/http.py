@@ -13,19 +13,24 @@ from starlette.responses import JSONResponse
 
 from gguf_arch.io.jsonfile import not_unicode
 
-from .errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER, TOO_LARGE, ApiError, bad_request
+from .errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER, TOO_LARGE, ApiError, anthropic_error,
+                     bad_request)
 
 # llama-server's public endpoints: no key needed (the chat page asks for one itself).
 PUBLIC = ("/", "/health", "/v1/health", "/models", "/v1/models", "/favicon.ico")
 PUBLIC_PREFIXES = ("/static/",)
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+ANTHROPIC_PATHS = ("/v1/messages",)  # answered in Anthropic's error shape
 
 
-async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc)
+def error_response(error: ApiError, path: str = "") -> JSONResponse:
+    body = anthropic_error(error) if path.startswith(ANTHROPIC_PATHS) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc, request.url.path)
 
 
 async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:

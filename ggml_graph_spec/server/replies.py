@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from typing import Union
+
 from ..chat.reply import Delta
 from ..generation.events import TokenEvent
 from ..text.tokenizer import BPETokenizer
@@ -27,6 +29,11 @@ def usage(result: Result) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
+# A part of a reply as every API's shapes take it: ("reasoning", text), ("content", text),
+# ("call", index, id, name), ("arguments", index, text).
+Piece = Union[tuple[str, str], tuple[str, int, str, str], tuple[str, int, str]]
+
+
 @dataclass
 class Reply:
     """One reply as it comes: its text (stop strings cut), reasoning, tool calls, log-probabilities."""
@@ -36,6 +43,7 @@ class Reply:
     text: str = ""
     reasoning: str = ""
     calls: list[dict] = field(default_factory=list)  # OpenAI's tool_calls, arguments growing
+    reasoning_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)  # chat: one entry per token
     legacy: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                                   "text_offset": []})
@@ -44,9 +52,9 @@ class Reply:
     def __post_init__(self) -> None:
         self._stops = StopText(self.request.stop)
 
-    def push(self, event: TokenEvent, deltas: list[Delta] = ()) -> tuple[str, list[dict], list[dict]]:
+    def push(self, event: TokenEvent, deltas: list[Delta] = ()) -> tuple[str, list[dict], list[Piece]]:
         """What this token releases: its content text, the chat log-probability entries it adds, and
-        the reply's other parts it adds (stream delta objects: reasoning, tool calls)."""
+        the reply's other pieces it adds (reasoning, tool calls), in order."""
         piece = self._stops.push(event.text)
         entries = []
         if self.request.logprobs >= 0 and event.token is not None and event.stop != "eog" and not self._stops.stopped:
@@ -54,28 +62,33 @@ class Reply:
             self.logprobs += entries
             self._legacy(event)
         self.text += piece
-        return piece, entries, [d for d in map(self._part, deltas) if d is not None]
+        pieces = [p for p in map(self._part, deltas) if p is not None]
+        self.reasoning_tokens += any(p[0] == "reasoning" for p in pieces)
+        return piece, entries, pieces
 
-    def _part(self, d: Delta) -> dict | None:
+    def _part(self, d: Delta) -> Piece | None:
         reply = self.request.reply
         if d.kind == "reasoning":
             if reply is None or not reply.reasoning_separate:
                 return None
             self.reasoning += d.text
-            return {"reasoning_content": d.text}
+            return ("reasoning", d.text)
         if d.kind == "call":
             self.calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
-            return {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
-                                    "function": {"name": d.name, "arguments": ""}}]}
+            return ("call", d.index, d.id, d.name)
         if d.kind == "arguments":
             self.calls[d.index]["function"]["arguments"] += d.text
-            return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
+            return ("arguments", d.index, d.text)
         return None  # content: the token's own text (event.text), stop strings applied
 
     def flush(self) -> str:
         tail = self._stops.flush()
         self.text += tail
         return tail
+
+    @property
+    def stop_matched(self) -> str | None:
+        return self._stops.matched
 
     def finish_reason(self, result: Result) -> str:
         if self._stops.stopped:
@@ -143,12 +156,12 @@ class Shapes:
         return {**self._head(False), "choices": [choice], "usage": usage(result), "timings": result.timings()}
 
     def chunk(self, reply: Reply, text: str, entries: list[dict], *, first: bool = False,
-              part: dict | None = None) -> dict:
-        """A stream chunk: content text (with its log-probabilities), or one other `part` of the
+              piece: Piece | None = None) -> dict:
+        """A stream chunk: content text (with its log-probabilities), or one other piece of the
         reply (reasoning_content, tool_calls)."""
         choice: dict = {"index": 0, "finish_reason": None}
         if self.chat:
-            delta = dict(part) if part is not None else {"content": text}
+            delta = _delta(piece) if piece is not None else {"content": text}
             choice["delta"] = {"role": "assistant", **delta} if first else delta
             choice["logprobs"] = self._logprobs(reply, entries) if entries else None
         else:
@@ -168,3 +181,15 @@ class Shapes:
 
     def usage_chunk(self, result: Result) -> dict:
         return {**self._head(True), "choices": [], "usage": usage(result)}
+
+
+def _delta(piece: Piece) -> dict:
+    """A chat stream's delta of one piece."""
+    if piece[0] == "reasoning":
+        return {"reasoning_content": piece[1]}
+    if piece[0] == "call":
+        _, index, call_id, name = piece
+        return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+    _, index, text = piece
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}

@@ -11,14 +11,16 @@ class StopText:
         self._stops = stops
         self._held = ""  # text not released yet: it may begin a stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the reply
 
     def push(self, piece: str) -> str:
         """The text `piece` makes safe to show (nothing once a stop string was seen)."""
         if self.stopped:
             return ""
         text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, s) for s in self._stops if (i := text.find(s)) >= 0]
+        if hits:
+            cut, self.matched = min(hits)
             self.stopped, self._held = True, ""
             return text[:cut]
         keep = max((_overlap(text, s) for s in self._stops), default=0)

@@ -35,7 +35,7 @@ class ChatTemplate:
     rendered as Hugging Face renders it: any failure, a bound included, is one line naming it."""
 
     def __init__(self, text: str, where: str, tokenizer: BPETokenizer, kwargs: Mapping[str, Any]) -> None:
-        self.where = where
+        self.where, self.text = where, text
         self._template = compile_template(text, where, UsageError)
         special = lambda i: tokenizer.decode([i]) if i is not None else ""  # noqa: E731
         self._context = {"bos_token": special(tokenizer.bos_id), "eos_token": special(tokenizer.eos_id),
