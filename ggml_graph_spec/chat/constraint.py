@@ -120,7 +120,7 @@ class Constraint:
     def mask(self, logits: np.ndarray, room: int | None = None) -> np.ndarray:
         """`logits` with every token this constraint forbids at -inf (a copy when changed); `room`:
         the tokens the reply may still take (None: no limit)."""
-        if self._forced:
+        if self._forced and not self._channels.mid_character:  # never close a channel inside a character
             return _only(logits, self._forced[0])
         if self._matcher is not None:
             return self._grammar_mask(logits, room)
@@ -161,7 +161,7 @@ class Constraint:
             self.error = self.error or self._matcher.get_error() or f"token {token} is not in the grammar"
         self._channels.feed(token)
         self._channels.take()  # only its channel is wanted here
-        if self._channels.channel == "think" and not self._budget_spent:
+        if self._channels.channel == "think" and not self._channels.in_tag and not self._budget_spent:
             self._think_tokens += 1
             if self._think_tokens >= self.plan.budget:
                 self._force_closer()

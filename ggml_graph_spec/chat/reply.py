@@ -74,6 +74,11 @@ class _Text:
     def __init__(self) -> None:
         self._d = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    @property
+    def partial(self) -> bool:
+        """Bytes of a character not complete yet are held."""
+        return bool(self._d.getstate()[0])
+
     def push(self, data: bytes) -> str:
         return self._d.decode(data)
 
@@ -128,6 +133,16 @@ class ReplyParser:
         if self._tok.is_special(token):
             return False
         return self._on_text(self._tok.token_bytes(token))
+
+    @property
+    def mid_character(self) -> bool:
+        """The last text token ended inside a UTF-8 character."""
+        return self._text.partial
+
+    @property
+    def in_tag(self) -> bool:
+        """Between a marker and its `<|sep|>`: the model is writing a tag."""
+        return self._tag is not None
 
     def take(self) -> list[Delta]:
         out, self._deltas = self._deltas, []
