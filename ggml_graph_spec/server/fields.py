@@ -1,13 +1,15 @@
 """Every field each endpoint takes, and what it does: honoured, accepted with no effect (and why),
 or refused. A field of no table is refused too, by name: nothing a client sends is silently
-dropped. docs/server.md lists these tables (tests/ggml_graph_spec/server/test_fields.py checks
-the page against them).
+dropped.
+
+docs/reference/api-fields.md holds these tables as `markdown()` writes them.
 
 A refused field is accepted when it asks for nothing (its value is its off value: `mirostat: 0`,
 `n: 1`, `logprobs: false`...), so that a client that always sends a field's default is served.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -195,3 +197,19 @@ def check_fields(body: Mapping[str, Any], table: tuple[Field, ...], endpoint: st
 
 def _is_off(value: Any, off: tuple) -> bool:
     return any(value == o and type(value) is type(o) for o in off)
+
+
+ENDPOINTS = (("POST /v1/chat/completions", CHAT), ("POST /v1/completions", COMPLETIONS),
+             ("POST /v1/responses", RESPONSES), ("POST /v1/messages", MESSAGES))
+
+
+def markdown() -> str:
+    """Every endpoint's fields as markdown tables (the reference page's body)."""
+    out = []
+    for title, table in ENDPOINTS:
+        out += [f"## {title}", "", "| field | | what it does |", "|---|---|---|"]
+        for f in table:
+            off = f" (accepted when {', '.join(f'`{json.dumps(o)}`' for o in f.off)})" if f.off else ""
+            out.append(f"| `{f.name}` | {f.handling} | {f.doc.replace('|', '/')}{off} |")
+        out.append("")
+    return "\n".join(out)
