@@ -38,7 +38,7 @@ def frames(text: str) -> list[Path]:
 
 
 def add_mmproj_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--mmproj", type=Path, metavar="MMPROJ.gguf",
+    p.add_argument("-mm", "--mmproj", type=Path, metavar="MMPROJ.gguf",
                    help="the model's vision tower and projector (convert-kimi-k3 --mmproj)")
 
 

@@ -42,6 +42,7 @@ class HttpSettings:
     max_body: int  # bytes
     timeout: float  # seconds: reading a body, and each write
     slot_save_path: Path | None
+    defaults: protocol.RequestDefaults = protocol.RequestDefaults()  # of a request's omitted fields: the flags
 
 
 class Server:
@@ -181,7 +182,7 @@ async def _generate(server: Server, request: Request, chat: bool) -> Response:
     engine = server.need_engine()
     body = protocol.check_object(await server.body(request))
     tok = engine.model.tokenizer
-    params = protocol.gen_request(body, [], chat, tok.eos_id)  # every field checked before any tokenizing
+    params = protocol.gen_request(body, [], chat, tok.eos_id, server.settings.defaults)  # all checked before tokenizing
     if chat:
         prompt, images = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok, server.vision)
     else:
