@@ -49,6 +49,7 @@ def flags_for(tool: str) -> list[LlamaFlag]:
 def add_llama_flags(p: argparse.ArgumentParser, tool: str) -> None:
     """Register the table's flags for `tool` (a spelling the parser already has is a conflict:
     argparse refuses it, so a flag is never both implemented and in the table) and the epilog."""
+    p.add_argument("--usage", action="help", help="the same as -h/--help (llama.cpp's third spelling)")
     for flag in flags_for(tool):
         p.add_argument(*flag.spellings, action=_LlamaFlagAction, flag=flag, dest=NOTES)
     p.set_defaults(**{NOTES: None})
