@@ -89,7 +89,7 @@ COMMON = (
     _n("-fit --fit", "no option is adjusted to the memory: -c is as given, and --mem-budget bounds the weights", "?"),
     _n("-fitt --fit-target", "no option is adjusted to the memory here (--mem-budget bounds the weights)"),
     _n("-fitc --fit-ctx", "no option is adjusted to the memory here: -c is as given"),
-    _x("--check-tensors", "no tensor data check at load: convert-kimi-k3 --verify checks a GGUF", 0),
+    _x("--check-tensors", "no tensor data check at load: convert-kimi-k3 --verify checks a GGUF against its checkpoint", 0),
     _x("--lora", "LoRA adapters are not supported: merge the adapter into the checkpoint, then convert it"),
     _x("--lora-scaled", "LoRA adapters are not supported: merge the adapter into the checkpoint, then convert it"),
     _x("--control-vector --control-vector-scaled", "control vectors are not supported"),
@@ -220,7 +220,8 @@ SERVING = tuple(LlamaFlag(f.spellings, f.kind, f.why, (SERVER,), f.nargs, f.noop
     _n("--threads-http", "requests are handled on uvicorn's event loop and its thread pool"),
     _n("--cache-prompt", "a request's cache_prompt is true unless it says false", 0),
     _x("--no-cache-prompt", "a request turns the prompt cache off with \"cache_prompt\": false", 0),
-    _x("--cache-reuse", "no KV shifting here: a slot reuses the longest prefix it shares with a prompt", noop=("0",),
+    _x("--cache-reuse", "no KV shifting here: a slot's cache serves a prompt when its whole history, or a "
+       "checkpoint, is a prefix of it", noop=("0",),
        noop_why="0 is llama-server's default, off"),
     _n("--metrics", "/metrics is always served", 0),
     _n("--props", "GET /props is always served (POST /props is not)", 0),
@@ -232,7 +233,8 @@ SERVING = tuple(LlamaFlag(f.spellings, f.kind, f.why, (SERVER,), f.nargs, f.noop
     _n("--no-models-autoload", _ONE_MODEL, 0),
     _x("--prefill-assistant", "a last assistant message is rendered as a finished turn, not continued", 0),
     _n("--no-prefill-assistant", "a last assistant message is rendered as a finished turn", 0),
-    _n("-sps --slot-prompt-similarity", "a request goes to the free slot that shares the longest prefix with it"),
+    _n("-sps --slot-prompt-similarity", "a request goes to the free slot that holds the longest cached prefix of its "
+       "prompt"),
     _x("--lora-init-without-apply", "LoRA adapters are not supported", 0),
     _n("--sleep-idle-seconds", "the model stays loaded while the server runs"),
     _x("--embd-gemma-default --fim-qwen-1.5b-default --fim-qwen-3b-default --fim-qwen-7b-default "

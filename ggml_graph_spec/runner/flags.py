@@ -92,15 +92,25 @@ def _cell(text: str) -> str:
 
 
 def markdown_rows(tool: str) -> list[str]:
-    """The docs' table of the ignored and refused flags of `tool`, one row per entry."""
-    rows = ["| llama.cpp flag | here | why, and what to use instead |", "|---|---|---|"]
+    """The docs' table of the ignored and refused flags of `tool`: one row per reason, its flags in
+    the table's order."""
+    groups: dict[tuple, list[LlamaFlag]] = {}
     for f in flags_for(tool):
-        spellings = ", ".join(f"`{s}`" for s in f.spellings)
-        if f.kind == NOTE:
-            rows.append(f"| {spellings} | ignored (a `note:`) | {_cell(f.why)} |")
+        groups.setdefault((f.kind, f.why, f.noop_values, f.noop_why), []).append(f)
+    rows = ["| llama.cpp flags | here | why, and what to use instead |", "|---|---|---|"]
+    for (kind, why, noop_values, noop_why), flags in groups.items():
+        spellings = ", ".join(f"`{s}`" for f in flags for s in f.spellings)
+        if kind == NOTE:
+            rows.append(f"| {spellings} | ignored (a `note:`) | {_cell(why)} |")
             continue
-        rows.append(f"| {spellings} | refused (exit 2) | {_cell(f.why)} |")
-        if f.noop_values:
-            values = ", ".join(f"`{f.spellings[0]} {v}`" for v in f.noop_values)
-            rows[-1] = rows[-1][:-2] + f"; {values}: ignored, {_cell(f.noop_why)} |"
+        values = ", ".join(f"`{f.spellings[0]} {v}`" for f in flags for v in noop_values)
+        tail = f"; {values}: ignored, {_cell(noop_why)}" if noop_values else ""
+        rows.append(f"| {spellings} | refused (exit 2) | {_cell(why)}{tail} |")
     return rows
+
+
+def docs_block(tool: str) -> list[str]:
+    """The lines docs/run.md (kimi-k3-cli) or docs/server.md (kimi-k3-server) holds between its two
+    markers: the table, as markdown_rows writes it (tests/ggml_graph_spec/test_llama_flags.py)."""
+    return [f"<!-- {tool}: llama.cpp's flags, written from ggml_graph_spec/runner/flag_table.py -->",
+            *markdown_rows(tool), f"<!-- end of {tool}'s llama.cpp flags -->"]

@@ -16,11 +16,12 @@ from gguf_arch.errors import EXIT_BAD_INPUT
 from gguf_arch.io.console import UsageError
 from ggml_graph_spec.runner import cli as runner_cli
 from ggml_graph_spec.runner.flag_table import CLI, FLAGS, REFUSED, SERVER
-from ggml_graph_spec.runner.flags import _same, flags_for, llama_notes
+from ggml_graph_spec.runner.flags import _same, docs_block, flags_for, llama_notes
 from ggml_graph_spec.server import cli as server_cli
 from tests.interop.llama_tools import READMES, llama_share
+from tests.support.paths import REPO
 
-TOOL_OF = {"tools/cli/README.md": CLI, "tools/completion/README.md": CLI, "tools/server/README.md": SERVER}
+TOOL_OF = dict(zip(READMES, (CLI, CLI, SERVER)))  # llama-cli, llama-completion, llama-server
 MAIN = {CLI: runner_cli, SERVER: server_cli}
 # Flags another change adds to the runners (structured output, reasoning, tools): not in this
 # table, not yet parsed. Removed from here when that change lands with them.
@@ -226,3 +227,12 @@ def test_no_table_entry_is_also_a_tool_flag():
         spellings = [s for f in flags_for(tool) for s in f.spellings]
         assert len(spellings) == len(set(spellings))
     assert all(f.why and (f.kind != REFUSED or not f.noop_values or f.noop_why) for f in FLAGS)
+
+
+@pytest.mark.parametrize("tool, page", [(CLI, "docs/run.md"), (SERVER, "docs/server.md")])
+def test_the_docs_list_what_the_table_says(tool, page):
+    block = docs_block(tool)
+    text = (REPO / page).read_text(encoding="utf-8")
+    assert block[0] in text and block[-1] in text, f"{page} lacks the markers {block[0]} ... {block[-1]}"
+    held = text[text.index(block[0]):text.index(block[-1]) + len(block[-1])]
+    assert held == "\n".join(block), f"{page}: the table between the markers should read:\n" + "\n".join(block)

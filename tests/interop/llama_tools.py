@@ -42,7 +42,7 @@ def llama_bin() -> Path:
 
 
 LLAMA_SHARE_ENV = "KIMI_K3_LLAMA_SHARE"  # files of llama.cpp's tree the setup keeps (build_llama_tools.sh)
-READMES = ("tools/cli/README.md", "tools/completion/README.md", "tools/server/README.md")
+READMES = tuple(f"tools/{tool}/README.md" for tool in ("cli", "completion", "server"))  # in its tree
 
 
 def llama_share() -> Path:
