@@ -37,9 +37,10 @@ def parse_override_kv(spec: str) -> tuple[str, Any]:
         raise UsageError(f"--override-kv {spec!r}: {text!r} is not a {kind} ({exc})") from None
 
 
-def _override(spec: str) -> tuple[str, Any]:
+def _overrides(specs: str) -> list[tuple[str, Any]]:
+    # Several KEY=TYPE:VALUE separated by commas, as llama.cpp splits them (a str value holds none).
     try:
-        return parse_override_kv(spec)
+        return [parse_override_kv(spec) for spec in specs.split(",")]
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--override-kv ")) from None
 
@@ -51,8 +52,9 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """--override-kv, --dsa, --dsa-path, --exact-experts, --repack / -nr."""
-    p.add_argument("--override-kv", type=_override, action="append", default=[], metavar="KEY=TYPE:VALUE",
-                   help="override a GGUF metadata value, e.g. kimi-k3.attention.indexer.top_k=int:64 (repeatable)")
+    p.add_argument("--override-kv", type=_overrides, action="extend", default=[], metavar="KEY=TYPE:VALUE[,...]",
+                   help="override GGUF metadata values, e.g. kimi-k3.attention.indexer.top_k=int:64; several separated "
+                        "by commas, as llama.cpp takes them (repeatable)")
     p.add_argument("--dsa", choices=("on", "off"), default=None,
                    help="run the DSA indexer of a K3.1-Pro GGUF (default: on; off: dense MLA attention)")
     p.add_argument("--dsa-path", choices=DSA_PATHS, default=None,

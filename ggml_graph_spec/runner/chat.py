@@ -60,12 +60,26 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-i", "--interactive", action="store_true",
                    help="read more input after each reply (a conversation with a chat template unless -no-cnv)")
     g.add_argument("-sys", "--system-prompt", metavar="PROMPT", help="system message of the conversation")
-    g.add_argument("--chat-template-file", type=Path, metavar="FILE",
-                   help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template")
-    g.add_argument("--chat-template-kwargs", metavar="JSON",
-                   help='extra template variables as a JSON object, e.g. \'{"thinking": false}\'')
+    g.add_argument("-sysf", "--system-prompt-file", type=Path, metavar="FILE",
+                   help="read the system message from FILE (one final newline dropped, as llama.cpp does)")
+    g.add_argument("-st", "--single-turn", action="store_true",
+                   help="one turn, then exit: the reply to -p/-f, or to the first input line without them")
+    g.add_argument("-sp", "--special", action="store_true",
+                   help="show the special tokens and tag markup of a chat reply (a completion shows them anyway)")
+    add_template_arguments(g)
     g.add_argument("-r", "--reverse-prompt", action="append", default=[], metavar="PROMPT",
                    help="stop the reply when the output shows PROMPT and return control (repeatable)")
+
+
+def add_template_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--chat-template, --chat-template-file, --chat-template-kwargs: both runners'."""
+    p.add_argument("--chat-template", metavar="JINJA",
+                   help="the text of a Jinja chat template to use instead of the GGUF's tokenizer.chat_template "
+                        "(llama.cpp's built-in template names are not known here)")
+    p.add_argument("--chat-template-file", type=Path, metavar="FILE",
+                   help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template")
+    p.add_argument("--chat-template-kwargs", metavar="JSON",
+                   help='extra template variables as a JSON object, e.g. \'{"thinking": false}\'')
 
 
 def parse_template_kwargs(text: str) -> dict[str, Any]:
@@ -95,15 +109,30 @@ def check_chat_options(a: argparse.Namespace) -> None:
     conversation (`a.template_file`: its path and text), so that a bad one costs no load."""
     a.template_kwargs = parse_template_kwargs(a.chat_template_kwargs) if a.chat_template_kwargs is not None else {}
     a.template_file = None
-    if a.chat_template_file is None:
+    if getattr(a, "system_prompt_file", None) is not None:  # llama.cpp drops one final newline
+        a.system_prompt = read_text(a.system_prompt_file, UsageError, "no such file").removesuffix("\n")
+    where, text = template_source(a)
+    if text is None:
         return
-    where = str(a.chat_template_file)
-    text = read_text(a.chat_template_file, UsageError, "no such file")
     system = [{"role": "system", "content": a.system_prompt}] if getattr(a, "system_prompt", None) is not None else []
     render(compile_template(text, where, UsageError), where, UsageError,
            **{"bos_token": "", "eos_token": "", **a.template_kwargs},
            messages=system + list(SAMPLE_CONVERSATION), add_generation_prompt=True)
-    a.template_file = (a.chat_template_file, text)
+    a.template_file = (where, text)
+
+
+def template_source(a: argparse.Namespace) -> tuple[str, str | None]:
+    """(where, text) of --chat-template or --chat-template-file; (_, None) with neither."""
+    if a.chat_template is not None and a.chat_template_file is not None:
+        raise UsageError("--chat-template and --chat-template-file both give the template: give one")
+    if a.chat_template is not None:
+        if "{{" not in a.chat_template and "{%" not in a.chat_template:
+            raise UsageError(f"--chat-template {a.chat_template}: llama.cpp's built-in template names are not known "
+                             "here; give the template's Jinja text, or --chat-template-file FILE")
+        return "--chat-template", a.chat_template
+    if a.chat_template_file is None:
+        return "", None
+    return str(a.chat_template_file), read_text(a.chat_template_file, UsageError, "no such file")
 
 
 @dataclass
@@ -118,6 +147,7 @@ class Conversation:
     encoder: VisionEncoder | None = None  # with --mmproj: turns may hold images and clips
     messages: list[dict[str, Any]] = field(default_factory=list)
     pending: list[MediaItem] = field(default_factory=list)  # the next turn's images and clips
+    special: bool = False  # -sp: a chat reply shows its special tokens and tag markup too
     _rendered: str = ""  # the template's rendering of `messages`, without a generation prompt
     _unevaluated: list[int] = field(default_factory=list)  # the end of the last reply, not yet in the caches
 
@@ -161,7 +191,7 @@ class Conversation:
         """Feed the user's turn, stream the reply to `out`, and keep what the next turn needs."""
         tokens = self.new_input(user_text, timings)
         self.sampler.reset()
-        show = ReplyFilter(self.tokenizer) if self.template is not None else (lambda _t: True)
+        show = ReplyFilter(self.tokenizer) if self.template is not None and not self.special else (lambda _t: True)
         reply = stream(generate(self.model, tokens, self.sampler, self.stop, timings=timings, show=show,
                                 stop_requested=_flag(interrupt)), out)
         self._unevaluated = [] if reply.pending is None else [reply.pending]
@@ -268,8 +298,9 @@ def _media_turn_error(exc: KimiError) -> None:
 
 
 def converse(conversation: Conversation, first: str | None, reader: LineReader, out: TextIO,
-             timings: Timings) -> None:
-    """Turns until /exit or the end of input; Ctrl-C during a reply ends that reply only."""
+             timings: Timings, single_turn: bool = False) -> None:
+    """Turns until /exit or the end of input (-st: until the first reply); Ctrl-C during a reply
+    ends that reply only."""
     pending = first
     while True:
         if pending is None:
@@ -285,6 +316,8 @@ def converse(conversation: Conversation, first: str | None, reader: LineReader, 
                     conversation.turn(pending, out, timings, interrupt)
                 out.write("\n")
                 out.flush()
+                if single_turn:
+                    break
         except (MediaError, PromptError) as exc:
             _media_turn_error(exc)
         except UsageError as exc:  # a /image or /video line without --mmproj or a file
@@ -297,8 +330,8 @@ def converse(conversation: Conversation, first: str | None, reader: LineReader, 
 
 
 def run_interactive(conversation: Conversation, first: str | None, system: str | None, template_line: str,
-                    timings: Timings, log: Callable[[Sequence[str]], None]) -> None:
+                    timings: Timings, log: Callable[[Sequence[str]], None], single_turn: bool = False) -> None:
     if conversation.template is not None and system is not None:
         conversation.messages.append({"role": "system", "content": system})
     log(banner(conversation, system, template_line))
-    converse(conversation, first, LineReader(sys.stdin, sys.stdout), sys.stdout, timings)
+    converse(conversation, first, LineReader(sys.stdin, sys.stdout), sys.stdout, timings, single_turn)

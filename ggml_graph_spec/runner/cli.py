@@ -30,15 +30,17 @@ from ..generation.events import StopRules, Timings
 from ..generation.generate import generate
 from ..generation.media import generate_media, media_prompt
 from ..generation.perplexity import chunk_count, perplexity
-from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP,
-                                   DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams)
+from ..generation.sampling import Sampler
 from ..text.chat_template import chat_template
 from ..text.tokenizer import BPETokenizer
 from .args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                    load_options)
 from .chat import Conversation, add_chat_arguments, run_interactive, stream
+from .flag_table import CLI
+from .flags import add_llama_flags, llama_notes
 from .interrupt import sigint_stops
 from .media import MediaInput, add_media_arguments, check_media
+from .sampling_args import add_sampling_arguments, sampling_params
 from .summary import summary
 from .validation import RANDOM_SEED, UsageError, check_options
 
@@ -51,43 +53,66 @@ from .validation import RANDOM_SEED, UsageError, check_options
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="kimi-k3-cli", description=__doc__.split("\n\n")[0])
     add_model_argument(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", help="prompt text (special tokens such as [BOS] are parsed)")
-    src.add_argument("-f", "--file", type=Path, help="read the prompt (or the perplexity text) from a file")
-    p.add_argument("-n", "--n-predict", type=int, default=-1,
-                   help="tokens to generate (in a conversation: per reply; -1: until EOS or a full context)")
+    _add_prompt_arguments(p)
     p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX,
                    help=f"context size; the perplexity chunk length with --perplexity (default {DEFAULT_CTX}, 0: the model's)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--temp", type=float, default=DEFAULT_TEMP, help=f"temperature, <= 0 = greedy (default {DEFAULT_TEMP})")
-    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help=f"top-k sampling, 0 = off (default {DEFAULT_TOP_K})")
-    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"top-p sampling, 1.0 = off (default {DEFAULT_TOP_P})")
-    p.add_argument("--min-p", type=float, default=DEFAULT_MIN_P, help=f"min-p sampling, 0.0 = off (default {DEFAULT_MIN_P})")
-    p.add_argument("--repeat-penalty", type=float, default=DEFAULT_REPEAT_PENALTY,
-                   help=f"penalise repeating the last --repeat-last-n tokens, 1.0 = off (default {DEFAULT_REPEAT_PENALTY})")
-    p.add_argument("--repeat-last-n", type=int, default=DEFAULT_REPEAT_LAST_N,
-                   help=f"tokens the repeat penalty looks back on, 0 = off, -1 = the context size "
-                        f"(default {DEFAULT_REPEAT_LAST_N})")
-    p.add_argument("-s", "--seed", type=int, default=-1,
-                   help=f"RNG seed (-1 or {RANDOM_SEED}: a random one, printed as 'sampler seed: N')")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="never sample the end-of-generation token (EOS); go on until -n, a reverse prompt or a full context")
+    add_sampling_arguments(p)
     add_chat_arguments(p)
     add_model_arguments(p)
     add_context_arguments(p)
     add_placement_arguments(p)
     add_media_arguments(p)
-    p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--perplexity", action="store_true", help="compute the perplexity of -f FILE (llama-perplexity's method)")
     p.add_argument("--chunks", type=int, default=-1, help="with --perplexity: at most this many chunks (-1: all)")
+    add_llama_flags(p, CLI)
     return p
+
+
+def _add_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text (special tokens such as [BOS] are parsed)")
+    src.add_argument("-f", "--file", type=Path, help="read the prompt (or the perplexity text) from a file")
+    p.add_argument("-e", "--escape", action="store_true", default=True,
+                   help="turn \\n, \\r, \\t, \\', \\\", \\\\ and \\xNN in -p and -r into the characters they "
+                        "name, as llama.cpp does (the default; -f FILE is read as it is)")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="take -p and -r as they are written")
+    p.add_argument("--display-prompt", dest="no_display_prompt", action="store_false", default=False,
+                   help="echo the prompt before the generated text (the default)")
+    p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's escapes (common's string_process_escapes): \\n \\r \\t \\' \\" \\\\ and \\xNN (a
+    byte); a backslash before anything else stays as it is."""
+    raw, out, i = text.encode("utf-8", "surrogateescape"), bytearray(), 0
+    named = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
+    while i < len(raw):
+        if raw[i] != ord("\\") or i + 1 == len(raw):
+            out.append(raw[i])
+            i += 1
+            continue
+        nxt = raw[i + 1]
+        digits = raw[i + 2:i + 4]
+        if nxt in named:
+            out += named[nxt]
+            i += 2
+        elif nxt == ord("x") and len(digits) == 2 and all(chr(d) in "0123456789abcdefABCDEF" for d in digits):
+            out.append(int(digits, 16))
+            i += 4
+        else:
+            out += raw[i:i + 2]
+            i += 2
+    return out.decode("utf-8", "replace")
 
 
 def run_mode(a: argparse.Namespace) -> str:
     """complete, chat (-cnv), interactive (-i -no-cnv: no template) or perplexity. As in llama-cli,
     -i and no prompt at all mean a conversation; unlike it, a prompt alone means a completion."""
-    chat_only = [o for o, v in (("-sys", a.system_prompt), ("--chat-template-file", a.chat_template_file),
-                                ("--chat-template-kwargs", a.chat_template_kwargs)) if v is not None]
+    chat_only = [o for o, v in (("-sys", a.system_prompt if a.system_prompt_file is None else None), ("-sysf", a.system_prompt_file),
+                                ("--chat-template", a.chat_template), ("--chat-template-file", a.chat_template_file),
+                                ("--chat-template-kwargs", a.chat_template_kwargs), ("-st", a.single_turn or None))
+                 if v is not None]
     if a.perplexity:
         if a.conversation or a.interactive:
             raise UsageError("--perplexity scores a file; it does not run a conversation (-cnv/-i)")
@@ -165,10 +190,7 @@ def _run_perplexity(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
 
 def _sampler(args: argparse.Namespace, model: Model, tokenizer: BPETokenizer) -> Sampler:
     suppress = frozenset({tokenizer.eos_id}) if args.ignore_eos and tokenizer.eos_id is not None else frozenset()
-    last_n = model.n_ctx if args.repeat_last_n == -1 else args.repeat_last_n
-    return Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                  seed=args.seed, repeat_penalty=args.repeat_penalty, repeat_last_n=last_n,
-                                  suppress=suppress))
+    return Sampler(sampling_params(args, model.n_ctx, suppress, seed=args.seed))
 
 
 def _stop_rules(args: argparse.Namespace, tokenizer: BPETokenizer) -> StopRules:
@@ -202,8 +224,9 @@ def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPEToke
     elif text is not None and not args.no_display_prompt:
         sys.stdout.write(text)
     conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),
-                                template, encoder=media and media.encoder, pending=list(media.items) if media else [])
-    run_interactive(conversation, text, args.system_prompt, template_line, timings, _log)
+                                template, encoder=media and media.encoder, pending=list(media.items) if media else [],
+                                special=args.special)
+    run_interactive(conversation, text, args.system_prompt, template_line, timings, _log, args.single_turn)
     return False
 
 
@@ -218,7 +241,10 @@ _RUNNERS = {"complete": _run_completion, "chat": _run_conversation, "interactive
 
 
 def run(args: argparse.Namespace) -> None:
-    _log(check_options(args))
+    _log(llama_notes(args) + check_options(args))
+    if args.escape:  # llama.cpp's default: the escapes of -p and -r are the characters they name
+        args.prompt = None if args.prompt is None else process_escapes(args.prompt)
+        args.reverse_prompt = [process_escapes(r) for r in args.reverse_prompt]
     options = load_options(args, progress=sys.stderr.isatty())  # one load path: LoadOptions, Model.load
     args.mode = run_mode(args)
     text = _read_text(args.file) if args.file is not None else args.prompt

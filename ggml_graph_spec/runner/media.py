@@ -37,17 +37,26 @@ def frames(text: str) -> list[Path]:
     return [Path(p.strip()) for p in paths]
 
 
+def images(text: str) -> list[list[Path]]:
+    """--image's value: one image, or several separated by commas; each one media item."""
+    paths = text.split(",")
+    if not all(p.strip() for p in paths):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected image files separated by commas, e.g. a.png,b.png")
+    return [[Path(p.strip())] for p in paths]
+
+
 def add_mmproj_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--mmproj", type=Path, metavar="MMPROJ.gguf",
+    p.add_argument("-mm", "--mmproj", type=Path, metavar="MMPROJ.gguf",
                    help="the model's vision tower and projector (convert-kimi-k3 --mmproj)")
 
 
 def add_media_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("images and clips (llama-mtmd-cli's options)")
     add_mmproj_argument(g)
-    g.add_argument("--image", dest="media", action="append", default=[], type=lambda t: [Path(t)], metavar="FILE",
-                   help="an image (PNG, JPEG, WebP) for the prompt's next <__media__> marker (repeatable; the "
-                        "items in command-line order; no marker: in front of the prompt)")
+    g.add_argument("--image", dest="media", action="extend", default=[], type=images, metavar="FILE[,FILE...]",
+                   help="an image (PNG, JPEG, WebP) for the prompt's next <__media__> marker; several separated by "
+                        "commas, as llama.cpp takes them (repeatable; the items in command-line order; no marker: in "
+                        "front of the prompt)")
     g.add_argument("--video", dest="media", action="append", type=frames, metavar="F0,F1,...",
                    help="the frames of one clip, all one size (repeatable, in order with --image)")
 

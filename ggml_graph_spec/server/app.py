@@ -48,6 +48,7 @@ class HttpSettings:
     max_body: int  # bytes
     timeout: float  # seconds: reading a body, and each write
     slot_save_path: Path | None
+    defaults: protocol.RequestDefaults = protocol.RequestDefaults()  # of a request's omitted fields: the flags
     agent: AgentDefaults = AgentDefaults()  # reasoning defaults of requests (--reasoning-*)
 
 
@@ -195,7 +196,8 @@ def _agent_routes(app: FastAPI, server: Server) -> None:
 async def _rendered(server: Server, body: Any) -> protocol.ChatPrompt:
     engine = server.need_engine()
     body = protocol.check_object(body)
-    protocol.gen_request(body, [], True, engine.model.tokenizer.eos_id, engine.model.tokenizer.vocab_size)
+    protocol.gen_request(body, [], True, engine.model.tokenizer.eos_id, server.settings.defaults,
+                         engine.model.tokenizer.vocab_size)
     return await run_in_threadpool(protocol.chat_prompt, body, server.template, engine.model.tokenizer,
                                    server.vision, server.settings.agent)
 
@@ -246,7 +248,8 @@ async def _job_request(server: Server, engine: Engine, body: Any, chat: bool) ->
     """What the engine runs for `body`: checked, rendered, tokenized, its grammar compiled and its
     images encoded (in worker threads, beside the engine's steps)."""
     tok = engine.model.tokenizer
-    params = protocol.gen_request(body, [], chat, tok.eos_id, tok.vocab_size)  # every field checked first
+    # every field checked before any tokenizing
+    params = protocol.gen_request(body, [], chat, tok.eos_id, server.settings.defaults, tok.vocab_size)
     reply, plan = None, None
     if chat:
         cp = await run_in_threadpool(protocol.chat_prompt, body, server.template, tok, server.vision,

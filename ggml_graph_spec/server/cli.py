@@ -34,14 +34,18 @@ from ..engine.options import DEFAULT_CTX
 from ..generation.media import check_encoder
 from ..runner.args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                           load_options)
-from ..runner.chat import check_chat_options
+from ..runner.chat import add_template_arguments, check_chat_options
+from ..runner.flag_table import SERVER
+from ..runner.flags import add_llama_flags, llama_notes
 from ..runner.cli import load
 from ..runner.media import add_mmproj_argument, check_mmproj
+from ..runner.sampling_args import RANDOM_SEED, add_sampling_arguments, check_sampling, sampling_params
 from ..runner.summary import summary
 from ..runner.validation import cap_threads
 from ..text.chat_template import chat_template
 from ..vision.encode import VisionEncoder
 from .app import HttpSettings, Server, model_props
+from .protocol import ALL_TOKENS, RequestDefaults
 from .engine import Engine
 from .media import Vision
 from .service import Service, bind
@@ -85,19 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest request body; larger is refused with 413 (default 20M)")
     p.add_argument("--slot-save-path", type=Path, default=None,
                    help="directory of the slot files of POST /slots/{id}?action=save|restore (default: no slot actions)")
-    p.add_argument("--ctx-checkpoints", type=int, default=DEFAULT_CHECKPOINTS,
+    p.add_argument("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", dest="ctx_checkpoints", type=int,
+                   default=DEFAULT_CHECKPOINTS,
                    help=f"prompt-cache checkpoints kept per slot: the state at the end of its last prompts "
                         f"(default {DEFAULT_CHECKPOINTS}; 0: none)")
-    p.add_argument("--chat-template-file", type=Path, metavar="FILE",
-                   help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template")
-    p.add_argument("--chat-template-kwargs", metavar="JSON",
-                   help='extra template variables as a JSON object, e.g. \'{"thinking": false}\'')
-    p.add_argument("--metrics", action="store_true",
-                   help="accepted for llama-server's command lines: /metrics is always on here")
+    add_template_arguments(p)
+    add_sampling_arguments(p, server=True)  # the defaults of the requests (llama-server's)
     add_model_arguments(p)
     add_context_arguments(p)  # -b (the most prompt tokens a slot feeds in one step), -ub, -ctk
     add_placement_arguments(p)
     add_mmproj_argument(p)
+    add_llama_flags(p, SERVER)
     return p
 
 
@@ -112,8 +114,11 @@ def check(a: argparse.Namespace) -> list[str]:
             raise UsageError(f"{flag} must be >= 0, got {value}")
     if a.slot_save_path is not None and a.slot_save_path.exists() and not a.slot_save_path.is_dir():
         raise UsageError(f"--slot-save-path {a.slot_save_path}: not a directory")
+    check_sampling(a)
+    if a.n_predict == 0:
+        raise UsageError("-n/--n-predict must be >= 1 (or -1: until the end-of-generation token), got 0")
     check_chat_options(a)  # a missing, unreadable or failing template file is an error before loading
-    notes = cap_threads(a)
+    notes = llama_notes(a) + cap_threads(a)
     if not _loopback(a.host) and a.api_key is None:
         notes.append(f"warning: listening on {a.host} without --api-key: anyone who can reach this address can "
                      "use the model")
@@ -202,8 +207,16 @@ def _serve(model: Model, service: Service, a: argparse.Namespace) -> int:
     return 0 if stop.signum is not None and clean else 1
 
 
+def request_defaults(a: argparse.Namespace) -> RequestDefaults:
+    """What a request that omits a sampling field, max_tokens or ignore_eos gets: the flags' values
+    (llama-server's way). --repeat-last-n -1 is the whole context: no slot holds more than ALL_TOKENS."""
+    seed = None if a.seed in (-1, RANDOM_SEED) else a.seed
+    return RequestDefaults(sampling_params(a, ALL_TOKENS, seed=seed), a.n_predict, a.ignore_eos)
+
+
 def http_settings(a: argparse.Namespace) -> HttpSettings:
-    return HttpSettings(a.alias or a.model.name, a.api_key, a.max_body, a.timeout, a.slot_save_path)
+    return HttpSettings(a.alias or a.model.name, a.api_key, a.max_body, a.timeout, a.slot_save_path,
+                        request_defaults(a))
 
 
 def run(a: argparse.Namespace) -> int:

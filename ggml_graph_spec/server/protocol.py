@@ -2,8 +2,9 @@
 extensions (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `ignore_eos`, `cache_prompt`,
 `n_predict`), each with its type and range; anything else is one 400 naming the field.
 
-Defaults are the CLI's (llama-server's): a field left out means what `kimi-k3-cli` does without
-its flag. A field the endpoint does not take is refused by name (fields.py).
+A field left out takes the server's default (`RequestDefaults`: kimi-k3-server's -n, --temp, ...
+flags, llama-server's way), which without those flags is what `kimi-k3-cli` does without its
+flag. A field the endpoint does not take is refused by name (fields.py).
 """
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from typing import Any, Callable, Mapping
 
 from gguf_arch.errors import KimiError
 
-from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMP,
-                                   DEFAULT_TOP_K, DEFAULT_TOP_P, SamplingParams)
 from ..chat.constraint import ConstraintPlan, GrammarError
 from ..chat.grammar import text_grammar
+from ..generation.sampling import SamplingParams
 from ..text.chat_template import (RESERVED_KWARGS, ChatTemplate, encode_marked, has_marks, mark_input,
                                   reserved_kwargs)
 from ..text.tokenizer import BPETokenizer
@@ -30,6 +30,16 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name for system
 _UNSET = object()
+ALL_TOKENS = 2**31 - 1  # a repeat_last_n default that spans any slot's whole context
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request that leaves a field out gets (the server's flags; seed None: a random one)."""
+
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = -1
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,21 +127,23 @@ def logit_bias(body: Mapping[str, Any], vocab: int) -> tuple[frozenset[int], tup
     return frozenset(banned), tuple(biases)
 
 
-def sampling_params(body: Mapping[str, Any], suppress: frozenset[int], vocab: int = 1 << 31) -> SamplingParams:
+def sampling_params(body: Mapping[str, Any], suppress: frozenset[int],
+                    base: SamplingParams = SamplingParams(), vocab: int = 1 << 31) -> SamplingParams:
     """temperature, top_p, top_k, min_p, seed, repeat_penalty / repeat_last_n, presence_penalty,
-    frequency_penalty: llama-server's names and meanings (temperature <= 0 is greedy; -1 seed: random)."""
-    seed = _integer(body, "seed", -1, -1, 2**64 - 1)
+    frequency_penalty: llama-server's names and meanings (temperature <= 0 is greedy; -1 seed:
+    random); a field left out is `base`'s (the server's defaults)."""
+    seed = _integer(body, "seed", None, -1, 2**64 - 1)
     banned, biases = logit_bias(body, vocab)
     return SamplingParams(
-        temp=_number(body, "temperature", DEFAULT_TEMP, 0.0, None),
-        top_k=_integer(body, "top_k", DEFAULT_TOP_K, 0),
-        top_p=_number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0),
-        min_p=_number(body, "min_p", DEFAULT_MIN_P, 0.0, 1.0),
-        seed=None if seed == -1 else seed,
-        repeat_penalty=_number(body, "repeat_penalty", DEFAULT_REPEAT_PENALTY, 0.0, None, open_low=True),
-        repeat_last_n=_integer(body, "repeat_last_n", DEFAULT_REPEAT_LAST_N, 0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        temp=_number(body, "temperature", base.temp, 0.0, None),
+        top_k=_integer(body, "top_k", base.top_k, 0),
+        top_p=_number(body, "top_p", base.top_p, 0.0, 1.0),
+        min_p=_number(body, "min_p", base.min_p, 0.0, 1.0),
+        seed=base.seed if seed is None else None if seed == -1 else seed,
+        repeat_penalty=_number(body, "repeat_penalty", base.repeat_penalty, 0.0, None, open_low=True),
+        repeat_last_n=_integer(body, "repeat_last_n", base.repeat_last_n, 0),
+        presence_penalty=_number(body, "presence_penalty", base.presence_penalty, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", base.frequency_penalty, -2.0, 2.0),
         suppress=suppress | banned, bias=biases)
 
 
@@ -143,16 +155,17 @@ def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _max_tokens(body: Mapping[str, Any]) -> int:
-    """max_completion_tokens, max_tokens or llama-server's n_predict; -1 (or absent): no limit but
-    the context. Any size is taken: the slot's context clamps it (finish_reason "length")."""
+def _max_tokens(body: Mapping[str, Any], default: int = -1) -> int:
+    """max_completion_tokens, max_tokens or llama-server's n_predict (absent: `default`, the server's
+    -n); -1: no limit but the context. Any size is taken: the slot's context clamps it
+    (finish_reason "length")."""
     for name in ("max_completion_tokens", "max_tokens", "n_predict"):
         value = _integer(body, name, None, -1)
         if value is not None:
             if value == 0:
                 raise bad_request(f"'{name}' must be >= 1 (or -1: until the context is full), got 0")
             return value
-    return -1
+    return default
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int:
@@ -174,16 +187,18 @@ def _n(body: Mapping[str, Any]) -> None:
         raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}")
 
 
-def gen_request(body: Any, prompt: list[int], chat: bool, eos: int | None, vocab: int = 1 << 31) -> GenRequest:
+def gen_request(body: Any, prompt: list[int], chat: bool, eos: int | None,
+                defaults: RequestDefaults = RequestDefaults(), vocab: int = 1 << 31) -> GenRequest:
     """The generation a checked body asks for, on already tokenized `prompt`."""
     check_fields(body, CHAT if chat else COMPLETIONS, "/v1/chat/completions" if chat else "/v1/completions")
     _n(body)
-    ignore_eos = _flag(body, "ignore_eos", False)
+    ignore_eos = _flag(body, "ignore_eos", defaults.ignore_eos)
     options = get_field(body, "stream_options", (dict,), "an object", {})
     return GenRequest(
         prompt=prompt,
-        sampling=sampling_params(body, frozenset({eos}) if ignore_eos and eos is not None else frozenset(), vocab),
-        max_tokens=_max_tokens(body), stop=_stops(body), logprobs=_logprobs(body, chat),
+        sampling=sampling_params(body, frozenset({eos}) if ignore_eos and eos is not None else frozenset(),
+                                 defaults.sampling, vocab),
+        max_tokens=_max_tokens(body, defaults.max_tokens), stop=_stops(body), logprobs=_logprobs(body, chat),
         stream=_flag(body, "stream", False), include_usage=_flag(options, "include_usage", False),
         chat=chat, cache_prompt=_flag(body, "cache_prompt", True), ignore_eos=ignore_eos)
 

@@ -48,7 +48,7 @@ class ChatTemplate:
                       add_generation_prompt=add_generation_prompt, **{**self._context, **kwargs})
 
 
-def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: tuple[Path, str] | None,
+def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: tuple[Path | str, str] | None,
                   kwargs: Mapping[str, Any], gguf: Path | str = "the GGUF") -> tuple[ChatTemplate, str]:
     """--chat-template-file (its path and text, read before loading), else the GGUF's
     tokenizer.chat_template, else the built-in K3 template; with a line saying which."""

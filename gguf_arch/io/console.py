@@ -27,15 +27,27 @@ class UsageError(KimiError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the project's error line and a lazily computed --version."""
+    """argparse with the project's error line, a lazily computed --version, and options matched
+    whole, as llama.cpp matches them.
+
+    argparse reads an option it does not know by its prefix: `--chat-template` as an abbreviation
+    of `--chat-template-file`, and a single-dash word as a one-letter option glued to its value
+    (`-ngl 99` became `-n gl`, `-fa` became `-f a`). Here an option is one whole word or nothing:
+    an unknown one is refused by its own name."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.add_argument("--version", action=_VersionAction, help="print the versions of this tool, ggml and "
                                                                     "llama.cpp, then exit")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def _get_option_tuples(self, option_string: str) -> list:  # type: ignore[override]
+        # argparse's prefix matching (the source of both misreadings above): no candidates, so an
+        # option that is not spelled out exactly (or as `--name=value`) is an unknown one.
+        return []
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         parsed, extra = super().parse_known_args(args, namespace)

@@ -41,6 +41,24 @@ def llama_bin() -> Path:
     return Path(os.environ[LLAMA_BIN_ENV])
 
 
+LLAMA_SHARE_ENV = "KIMI_K3_LLAMA_SHARE"  # files of llama.cpp's tree the setup keeps (build_llama_tools.sh)
+READMES = tuple(f"tools/{tool}/README.md" for tool in ("cli", "completion", "server"))  # in its tree
+
+
+def llama_share() -> Path:
+    """The kept llama.cpp files' directory (the tools' READMEs among them); fails the calling
+    test under CI=true when they are absent, else skips it, as llama_bin."""
+    where = os.environ.get(LLAMA_SHARE_ENV)
+    missing = [f for f in READMES if not where or not (Path(where) / f).is_file()]
+    if missing:
+        problem = (f"{LLAMA_SHARE_ENV} is not set: run the tests through scripts/test.sh" if not where else
+                   f"{LLAMA_SHARE_ENV}={where} lacks {', '.join(missing)}: rerun scripts/setup_env.sh")
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"llama.cpp's files required under CI=true: {problem}")
+        pytest.skip(problem)
+    return Path(where)
+
+
 def run_tool(tool: str, *args: str | Path, cwd: Path | None = None, binary: bool = False) -> subprocess.CompletedProcess:
     """Run one tool to completion (output as text, or as bytes); a failure shows the end of its log."""
     cmd = [str(llama_bin() / tool), *map(str, args)]
