@@ -65,8 +65,8 @@ def chat_template(metadata: Mapping[str, Any], tokenizer: BPETokenizer, file: tu
 # Input marking: a special token's spelling inside a request's own strings (a message, a tool's
 # arguments, a schema) is text, never the token; only the template's own markup is. The strings are
 # marked before rendering (each spelling wrapped in two noncharacters, which every filter a template
-# applies keeps) and the rendering is tokenized span by span (llama.cpp's Jinja engine marks input
-# the same way, common/jinja/README.md "Input Marking").
+# applies keeps) and the rendering is tokenized span by span (llama.cpp's own Jinja engine marks
+# input strings for the same reason: its "input marking").
 MARK_START, MARK_END = "\U0010fffe", "\U0010ffff"
 
 

@@ -9,7 +9,7 @@ from ggml_graph_spec.server.fields import CHAT, ENDPOINTS, HONOURED, NO_EFFECT, 
 from tests.support.paths import REPO
 from tests.support.server import LiveServer
 
-PAGE = REPO / "docs" / "reference" / "api-fields.md"
+PAGE = REPO / "docs/reference/api-fields.md"
 
 
 def test_the_reference_page_holds_every_table_as_written_from_the_code():
