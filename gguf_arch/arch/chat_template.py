@@ -33,54 +33,9 @@ from .template_sandbox import compile_template, render
 
 TEMPLATE_FILE = "chat_template.jinja"
 
-K3_CHAT_TEMPLATE = r"""
-{#- Kimi K3 chat format (XTML); see gguf_arch/chat_template.py in kimi-k3-gguf. -#}
-{%- set think = true if thinking is not defined else thinking -%}
-{%- set effort = 'max' if thinking_effort is not defined else thinking_effort -%}
-{%- macro attr_value(v) -%}{{ v | string | replace('&', '&amp;') | replace('"', '&quot;') }}{%- endmacro -%}
-{%- macro opening(name, attrs) -%}
-<|open|>{{ name }}{% for key, value in attrs %} {{ key }}="{{ attr_value(value) }}"{% endfor %}<|sep|>
-{%- endmacro -%}
-{%- macro closing(name) -%}<|close|>{{ name }}<|sep|>{%- endmacro -%}
-{%- macro element(name, attrs=[]) -%}{{ opening(name, attrs) }}{{ caller() }}{{ closing(name) }}{%- endmacro -%}
-{%- macro turn(attrs) -%}{% set body = caller() %}{% call element('message', attrs) %}{{ body }}{% endcall %}<|end_of_msg|>{%- endmacro -%}
-{%- macro text_of(content) -%}
-{%- if content is none -%}
-{%- elif content is string -%}{{ content }}
-{%- else -%}
-{%- for part in content -%}
-{%- if part.type == 'text' -%}{{ part.text }}
-{%- elif part.type in ['image', 'video'] -%}
-{%- if part.type == 'image' and (part.width is not defined or part.height is not defined) -%}{{ raise_exception('an image part needs its width and height (the media block names the original size)') }}{%- endif -%}
-<|media_begin|>{{ 'video' if part.type == 'video' else 'image ' ~ part.width ~ 'x' ~ part.height }}<|media_content|><|media_pad|><|media_end|>
-{%- else -%}{{ raise_exception('the built-in Kimi K3 template renders text, image and video parts, not ' ~ part.type) }}
-{%- endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
-{%- if tools is defined and tools -%}{{ raise_exception('the built-in Kimi K3 template has no tool declarations') }}{%- endif -%}
-{%- if think and effort is not none -%}
-{%- if effort not in ['low', 'medium', 'high', 'max'] -%}{{ raise_exception('thinking_effort must be low, medium, high or max, not ' ~ effort) }}{%- endif -%}
-{%- call turn([('role', 'system'), ('type', 'thinking-effort')]) -%}
-`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.
-Now the system is invoked with `thinking_effort={{ effort }}`.
-{%- endcall -%}
-{%- endif -%}
-{%- for m in messages -%}
-{%- set attrs = [('role', m.role)] + ([('name', m.name)] if m.name else []) -%}
-{%- if m.role in ['system', 'user'] -%}
-{%- call turn(attrs) -%}{{ text_of(m.content) }}{%- endcall -%}
-{%- elif m.role == 'assistant' -%}
-{%- if m.tool_calls -%}{{ raise_exception('the built-in Kimi K3 template has no tool calls') }}{%- endif -%}
-{%- call turn(attrs) -%}
-{%- if think -%}{%- call element('think') -%}{{ m.reasoning_content if m.reasoning_content and m.reasoning_content | trim }}{%- endcall -%}{%- endif -%}
-{%- call element('response') -%}{{ text_of(m.content) }}{%- endcall -%}
-{%- endcall -%}
-{%- else -%}{{ raise_exception('the built-in Kimi K3 template has no role ' ~ m.role) }}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{ opening('message', [('role', 'assistant')]) }}{{ opening('think' if think else 'response', []) }}{%- endif -%}
-"""
+# The template's text lives beside this module (package data), where it reads as Jinja.
+TEMPLATE_SOURCE = Path(__file__).with_name("k3_chat_template.jinja")
+K3_CHAT_TEMPLATE = TEMPLATE_SOURCE.read_text(encoding="utf-8")
 
 
 def _from_tokenizer_config(path: Path) -> str | None:

@@ -97,15 +97,27 @@ def test_the_effort_is_named_and_checked():
         _render([], thinking_effort="extreme")
 
 
-@pytest.mark.parametrize("messages, message", [
-    ([{"role": "tool", "content": "x"}], "no role tool"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "no tool calls"),
-    ([{"role": "user", "content": [{"type": "image"}]}], "an image part needs its width and height"),
-    ([{"role": "user", "content": [{"type": "audio"}]}], "text, image and video parts, not audio"),
+@pytest.mark.parametrize("messages, kwargs, message", [
+    # llama.cpp's template skips a role it does not know; ours never drops a message unsaid.
+    ([{"role": "developer", "content": "x"}], {}, "no role developer"),
+    ([{"role": "tool", "content": "x"}], {}, "a tool result needs its tool"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}], {},
+     "a tool call needs its function name"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}], {},
+     "tool call arguments must be an object or a JSON string"),
+    ([{"role": "system", "content": "x", "tools": [{"type": "function"}]}], {},
+     "a system message that declares tools has no content of its own"),
+    ([{"role": "user", "content": [{"type": "image"}]}], {}, "an image part needs its width and height"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], {}, "text, image and video parts, not audio"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     "text, image and video parts, not image_url"),
+    ([], {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice must be auto, required or none"),
+    ([], {"response_format": {"type": "xml"}}, "response_format must be text, json_object or json_schema"),
+    ([], {"response_format": {"type": "json_schema"}}, "response_format json_schema needs its schema"),
 ])
-def test_what_the_built_in_template_does_not_render_is_an_error(messages, message):
+def test_what_the_built_in_template_does_not_render_is_an_error(messages, kwargs, message):
     with pytest.raises(Exception, match=message):
-        _render(messages)
+        _render(messages, **kwargs)
 
 
 def test_image_and_video_parts_are_k3s_media_blocks_in_place(tokenizer):
