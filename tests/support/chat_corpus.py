@@ -19,6 +19,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ggml_graph_spec.vision import prompt
+from ggml_graph_spec.vision.preprocess import MediaItem
+
 KEYS = ("city", "City", "cITY", "unit", "Unit", "_private", "数量", "ключ", "emoji😀", "a b", "Zeta", "alpha",
         "Alpha", "a&b", 'q"uote', "0", "10", "9")
 TEXTS = ("plain words", "天气怎么样？北京", "emoji 🌦️🎉👩‍💻", 'quotes "double" and \'single\'', "amp & amp; &amp;",
@@ -40,8 +45,9 @@ class Case:
 
 
 def media_block(width: int, height: int) -> str:
-    """The block the built-in template writes for an image part (its original size)."""
-    return f"<|media_begin|>image {width}x{height}<|media_content|><|media_pad|><|media_end|>"
+    """The block the runtime makes for an image of that original size (the one the built-in
+    template must write for its image part)."""
+    return prompt.media_block(MediaItem(np.zeros((1, 3, 1, 1), np.float32), (1, 1, 1), (width, height), "corpus"))
 
 
 def _text(rng: random.Random) -> str:

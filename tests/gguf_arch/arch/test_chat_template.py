@@ -3,6 +3,7 @@ and the checkpoint's own template taking precedence in the GGUF."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -189,3 +190,20 @@ def test_a_hostile_template_is_an_error_not_a_crash(tokenizer):
     escape = ChatTemplate("{{ messages.__class__.__mro__ }}", "escape", tokenizer, {})
     with pytest.raises(KimiError, match="chat template"):  # the sandbox refuses Python internals
         escape.render([], add_generation_prompt=True)
+
+
+def test_the_template_writes_the_markup_xtml_names():
+    """gguf_arch/arch/xtml.py holds the markup's facts for the reply parser and the grammars; the
+    template spells them in Jinja, and spells no other marker or element."""
+    from gguf_arch.arch import xtml
+
+    media = {"<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"}
+    assert set(re.findall(r"<\|[a-z_]+\|>", K3_CHAT_TEMPLATE)) - media == set(xtml.MARKERS)
+    names = set(re.findall(r"(?:opening|element|closing)\('([a-z]+)'", K3_CHAT_TEMPLATE))
+    names |= {n for pair in re.findall(r"opening\('(\w+)' if think else '(\w+)'\)", K3_CHAT_TEMPLATE) for n in pair}
+    assert names == {xtml.MESSAGE, xtml.THINK, xtml.RESPONSE, xtml.TOOLS, xtml.CALL, xtml.ARGUMENT, xtml.JSON_BLOCK}
+    calls = [{"function": {"name": 'a"b&c', "arguments": {"k": v}}} for v in ("s", 1, True, None, {}, [])]
+    text = _render([{"role": "assistant", "content": "", "tool_calls": calls}], thinking=False)
+    assert text.count(xtml.opening(xtml.CALL, tool='a"b&c', index="1")) == 1
+    assert [t for t in xtml.ARGUMENT_TYPES if xtml.opening(xtml.ARGUMENT, key="k", type=t) in text] == \
+        list(xtml.ARGUMENT_TYPES)
