@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from gguf_arch.arch import xtml
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
 from gguf_arch.arch.template_sandbox import compile_template, render
 from gguf_arch.io.console import UsageError
@@ -15,8 +16,8 @@ from .tokenizer import BPETokenizer
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # K3's XTML markup: what lies between an opening or closing token and the next <|sep|> is a tag
 # name and attributes, not text of the reply.
-_TAG_START = ("<|open|>", "<|close|>")
-_TAG_END = "<|sep|>"
+_TAG_START = (xtml.OPEN, xtml.CLOSE)
+_TAG_END = xtml.SEP
 
 
 # The variables every rendering gets from the model and the caller: a template kwarg of the same

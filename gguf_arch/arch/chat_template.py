@@ -3,25 +3,23 @@ is compiled in (the converter checks it, the runner renders with it).
 
 A checkpoint that ships a template (`chat_template.jinja`, or `chat_template` in
 tokenizer_config.json) keeps its own. K3 ships none: Moonshot renders chats in Python. For it the
-converter writes `K3_CHAT_TEMPLATE`, written here for K3's chat format (docs/reference/gguf.md#tokenizer), so that
-llama.cpp-style runtimes find a template where they look for one.
+converter writes `K3_CHAT_TEMPLATE`, the project's template of K3's chat format ("XTML"), so that
+llama.cpp-style runtimes find a template where they look for one. Its text is the package data
+file k3_chat_template.jinja beside this module; docs/reference/chat-format.md says what it renders.
 
-K3's format ("XTML"): every element is `<|open|>NAME attr="value"...<|sep|> body <|close|>NAME<|sep|>`,
-attribute values escaped `&` -> `&amp;`, `"` -> `&quot;`. A turn is a `message` element with a `role`
-attribute (and `name` when the message has one), followed by `<|end_of_msg|>`, the token that
-ends a turn (the GGUF's EOS). An assistant turn holds a `think` channel (thinking mode only) and a
-`response` channel. With thinking on (the default, as in Moonshot's renderer), the conversation
-starts with a system message of type `thinking-effort` naming the effort (`max` by default). The
-generation prompt opens an assistant message and its first channel, which the model closes.
+In short: every element is `<|open|>NAME attr="value"...<|sep|> body <|close|>NAME<|sep|>`
+(gguf_arch/arch/xtml.py holds the markup's facts), a turn is a `message` element followed by
+`<|end_of_msg|>` (the GGUF's EOS). The prompt holds the tool declarations (`tools`, keys sorted),
+the thinking-effort message (thinking on, the default; `thinking_effort`, `max` by default), the
+conversation (system and user turns with text, image and video parts; assistant turns with their
+`think` channel, `response` channel and tool calls; tool results named by id, name or position),
+the tool-choice and response-format messages (`tool_choice`, `response_format`), and the
+generation prompt, which opens the assistant's turn and its first channel.
 
-The built-in template covers text conversations (system, user, assistant turns; `content` a
-string or a list of parts; `reasoning_content` of past assistant turns) with images and clips: an
-`image` part (with the image's original `width` and `height`) or a `video` part becomes K3's media
-block as Moonshot's image processor writes it into the user's text,
-`<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>` (a clip:
-`<|media_begin|>video<|media_content|>...`), whose one `<|media_pad|>` the runtime replaces by the
-item's rows. Tool declarations, tool calls and other parts raise an error naming what is not
-supported, rather than being dropped.
+It renders byte for byte as llama.cpp's own K3 template (models/templates/Kimi-K3.jinja) in
+Python's Jinja2 and in llama.cpp's C++ engine, except where it refuses what llama.cpp drops or
+guesses (a role other than system, user, assistant and tool; a part type it cannot render; a named
+tool_choice) and where it takes `medium` effort, which llama.cpp refuses.
 """
 from __future__ import annotations
 
@@ -33,54 +31,9 @@ from .template_sandbox import compile_template, render
 
 TEMPLATE_FILE = "chat_template.jinja"
 
-K3_CHAT_TEMPLATE = r"""
-{#- Kimi K3 chat format (XTML); see gguf_arch/chat_template.py in kimi-k3-gguf. -#}
-{%- set think = true if thinking is not defined else thinking -%}
-{%- set effort = 'max' if thinking_effort is not defined else thinking_effort -%}
-{%- macro attr_value(v) -%}{{ v | string | replace('&', '&amp;') | replace('"', '&quot;') }}{%- endmacro -%}
-{%- macro opening(name, attrs) -%}
-<|open|>{{ name }}{% for key, value in attrs %} {{ key }}="{{ attr_value(value) }}"{% endfor %}<|sep|>
-{%- endmacro -%}
-{%- macro closing(name) -%}<|close|>{{ name }}<|sep|>{%- endmacro -%}
-{%- macro element(name, attrs=[]) -%}{{ opening(name, attrs) }}{{ caller() }}{{ closing(name) }}{%- endmacro -%}
-{%- macro turn(attrs) -%}{% set body = caller() %}{% call element('message', attrs) %}{{ body }}{% endcall %}<|end_of_msg|>{%- endmacro -%}
-{%- macro text_of(content) -%}
-{%- if content is none -%}
-{%- elif content is string -%}{{ content }}
-{%- else -%}
-{%- for part in content -%}
-{%- if part.type == 'text' -%}{{ part.text }}
-{%- elif part.type in ['image', 'video'] -%}
-{%- if part.type == 'image' and (part.width is not defined or part.height is not defined) -%}{{ raise_exception('an image part needs its width and height (the media block names the original size)') }}{%- endif -%}
-<|media_begin|>{{ 'video' if part.type == 'video' else 'image ' ~ part.width ~ 'x' ~ part.height }}<|media_content|><|media_pad|><|media_end|>
-{%- else -%}{{ raise_exception('the built-in Kimi K3 template renders text, image and video parts, not ' ~ part.type) }}
-{%- endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
-{%- if tools is defined and tools -%}{{ raise_exception('the built-in Kimi K3 template has no tool declarations') }}{%- endif -%}
-{%- if think and effort is not none -%}
-{%- if effort not in ['low', 'medium', 'high', 'max'] -%}{{ raise_exception('thinking_effort must be low, medium, high or max, not ' ~ effort) }}{%- endif -%}
-{%- call turn([('role', 'system'), ('type', 'thinking-effort')]) -%}
-`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.
-Now the system is invoked with `thinking_effort={{ effort }}`.
-{%- endcall -%}
-{%- endif -%}
-{%- for m in messages -%}
-{%- set attrs = [('role', m.role)] + ([('name', m.name)] if m.name else []) -%}
-{%- if m.role in ['system', 'user'] -%}
-{%- call turn(attrs) -%}{{ text_of(m.content) }}{%- endcall -%}
-{%- elif m.role == 'assistant' -%}
-{%- if m.tool_calls -%}{{ raise_exception('the built-in Kimi K3 template has no tool calls') }}{%- endif -%}
-{%- call turn(attrs) -%}
-{%- if think -%}{%- call element('think') -%}{{ m.reasoning_content if m.reasoning_content and m.reasoning_content | trim }}{%- endcall -%}{%- endif -%}
-{%- call element('response') -%}{{ text_of(m.content) }}{%- endcall -%}
-{%- endcall -%}
-{%- else -%}{{ raise_exception('the built-in Kimi K3 template has no role ' ~ m.role) }}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{ opening('message', [('role', 'assistant')]) }}{{ opening('think' if think else 'response', []) }}{%- endif -%}
-"""
+# The template's text lives beside this module (package data), where it reads as Jinja.
+TEMPLATE_SOURCE = Path(__file__).with_name("k3_chat_template.jinja")
+K3_CHAT_TEMPLATE = TEMPLATE_SOURCE.read_text(encoding="utf-8")
 
 
 def _from_tokenizer_config(path: Path) -> str | None:

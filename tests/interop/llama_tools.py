@@ -35,13 +35,41 @@ def llama_bin() -> Path:
     """The tools' directory; fails the calling test under CI=true when absent, else skips it."""
     problem = _problem()
     if problem:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"llama.cpp tools required under CI=true: {problem}")
-        pytest.skip(problem)
+        _required(problem, "llama.cpp tools")
     return Path(os.environ[LLAMA_BIN_ENV])
 
 
-LLAMA_SHARE_ENV = "KIMI_K3_LLAMA_SHARE"  # files of llama.cpp's tree the setup keeps (build_llama_tools.sh)
+def _required(problem: str, what: str) -> None:
+    """A missing piece of the tools cache: a failure under CI=true, a skip with the reason otherwise."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} required under CI=true: {problem}")
+    pytest.skip(problem)
+
+
+# What the tools build keeps of llama.cpp's tree besides the binaries (scripts/build_llama_tools.sh):
+# its K3 chat template among them, the public statement of K3's chat format the tests compare with.
+LLAMA_SHARE_ENV = "KIMI_K3_LLAMA_SHARE"
+K3_TEMPLATE = Path("models", "templates", "Kimi-K3.jinja")
+
+
+def llama_k3_template() -> str:
+    """llama.cpp's own Kimi K3 chat template (read to compare, never copied into the repository)."""
+    where = os.environ.get(LLAMA_SHARE_ENV)
+    path = Path(where) / K3_TEMPLATE if where else None
+    if path is None or not path.is_file():
+        _required(f"{LLAMA_SHARE_ENV} is not set: run the tests through scripts/test.sh" if path is None
+                  else f"{path} is missing: rerun scripts/setup_env.sh", "llama.cpp's K3 template")
+    return path.read_text(encoding="utf-8")
+
+
+def llama_server_bin() -> Path:
+    """llama-server of the tools build (the same rule as llama_bin)."""
+    server = llama_bin() / "llama-server"
+    if not os.access(server, os.X_OK):
+        _required(f"{server} is missing: rerun scripts/setup_env.sh", "llama-server")
+    return server
+
+
 READMES = tuple(f"tools/{tool}/README.md" for tool in ("cli", "completion", "server"))  # in its tree
 
 
@@ -51,11 +79,9 @@ def llama_share() -> Path:
     where = os.environ.get(LLAMA_SHARE_ENV)
     missing = [f for f in READMES if not where or not (Path(where) / f).is_file()]
     if missing:
-        problem = (f"{LLAMA_SHARE_ENV} is not set: run the tests through scripts/test.sh" if not where else
-                   f"{LLAMA_SHARE_ENV}={where} lacks {', '.join(missing)}: rerun scripts/setup_env.sh")
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"llama.cpp's files required under CI=true: {problem}")
-        pytest.skip(problem)
+        _required(f"{LLAMA_SHARE_ENV} is not set: run the tests through scripts/test.sh" if not where else
+                  f"{LLAMA_SHARE_ENV}={where} lacks {', '.join(missing)}: rerun scripts/setup_env.sh",
+                  "llama.cpp's files")
     return Path(where)
 
 

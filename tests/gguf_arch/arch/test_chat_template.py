@@ -3,6 +3,7 @@ and the checkpoint's own template taking precedence in the GGUF."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -97,15 +98,27 @@ def test_the_effort_is_named_and_checked():
         _render([], thinking_effort="extreme")
 
 
-@pytest.mark.parametrize("messages, message", [
-    ([{"role": "tool", "content": "x"}], "no role tool"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "no tool calls"),
-    ([{"role": "user", "content": [{"type": "image"}]}], "an image part needs its width and height"),
-    ([{"role": "user", "content": [{"type": "audio"}]}], "text, image and video parts, not audio"),
+@pytest.mark.parametrize("messages, kwargs, message", [
+    # llama.cpp's template skips a role it does not know; ours never drops a message unsaid.
+    ([{"role": "developer", "content": "x"}], {}, "no role developer"),
+    ([{"role": "tool", "content": "x"}], {}, "a tool result needs its tool"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}], {},
+     "a tool call needs its function name"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}], {},
+     "tool call arguments must be an object or a JSON string"),
+    ([{"role": "system", "content": "x", "tools": [{"type": "function"}]}], {},
+     "a system message that declares tools has no content of its own"),
+    ([{"role": "user", "content": [{"type": "image"}]}], {}, "an image part needs its width and height"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], {}, "text, image and video parts, not audio"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     "text, image and video parts, not image_url"),
+    ([], {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice must be auto, required or none"),
+    ([], {"response_format": {"type": "xml"}}, "response_format must be text, json_object or json_schema"),
+    ([], {"response_format": {"type": "json_schema"}}, "response_format json_schema needs its schema"),
 ])
-def test_what_the_built_in_template_does_not_render_is_an_error(messages, message):
+def test_what_the_built_in_template_does_not_render_is_an_error(messages, kwargs, message):
     with pytest.raises(Exception, match=message):
-        _render(messages)
+        _render(messages, **kwargs)
 
 
 def test_image_and_video_parts_are_k3s_media_blocks_in_place(tokenizer):
@@ -177,3 +190,20 @@ def test_a_hostile_template_is_an_error_not_a_crash(tokenizer):
     escape = ChatTemplate("{{ messages.__class__.__mro__ }}", "escape", tokenizer, {})
     with pytest.raises(KimiError, match="chat template"):  # the sandbox refuses Python internals
         escape.render([], add_generation_prompt=True)
+
+
+def test_the_template_writes_the_markup_xtml_names():
+    """gguf_arch/arch/xtml.py holds the markup's facts for the reply parser and the grammars; the
+    template spells them in Jinja, and spells no other marker or element."""
+    from gguf_arch.arch import xtml
+
+    media = {"<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"}
+    assert set(re.findall(r"<\|[a-z_]+\|>", K3_CHAT_TEMPLATE)) - media == set(xtml.MARKERS)
+    names = set(re.findall(r"(?:opening|element|closing)\('([a-z]+)'", K3_CHAT_TEMPLATE))
+    names |= {n for pair in re.findall(r"opening\('(\w+)' if think else '(\w+)'\)", K3_CHAT_TEMPLATE) for n in pair}
+    assert names == {xtml.MESSAGE, xtml.THINK, xtml.RESPONSE, xtml.TOOLS, xtml.CALL, xtml.ARGUMENT, xtml.JSON_BLOCK}
+    calls = [{"function": {"name": 'a"b&c', "arguments": {"k": v}}} for v in ("s", 1, True, None, {}, [])]
+    text = _render([{"role": "assistant", "content": "", "tool_calls": calls}], thinking=False)
+    assert text.count(xtml.opening(xtml.CALL, tool='a"b&c', index="1")) == 1
+    assert [t for t in xtml.ARGUMENT_TYPES if xtml.opening(xtml.ARGUMENT, key="k", type=t) in text] == \
+        list(xtml.ARGUMENT_TYPES)
