@@ -132,6 +132,12 @@ COMPLETIONS = (
     _r("best_of", "one completion per request", 1),
     _r("suffix", "fill-in-the-middle is not supported"),
 )
+# llama-server's and this server's extensions that the Responses and Messages APIs pass on to the
+# chat completion they become (agent SDKs send them as extra_body).
+PASSED_ON = ("seed", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
+             "logit_bias", "ignore_eos", "cache_prompt", "chat_template_kwargs", "reasoning_format",
+             "reasoning_budget_tokens", "thinking_budget_tokens", "reasoning_budget_message")
+_EXTENSIONS = tuple(f for f in CHAT if f.name in PASSED_ON)
 RESPONSES = (
     _h("input", "a string, or message / function_call / function_call_output / reasoning items"),
     _h("instructions", "the system message"),
@@ -150,7 +156,7 @@ RESPONSES = (
     _n("stream_options", "no options apply"),
     _n("prompt_cache_retention", "the prompt cache keeps what its slots hold"),
     _n("prompt_cache_options", "the prompt cache matches prefixes by itself"),
-    *_IDENTITY,
+    *_EXTENSIONS, *_IDENTITY,
     _r("previous_response_id", "nothing is stored: send the whole input"),
     _r("conversation", "nothing is stored: send the whole input"),
     _r("background", "replies are not run in the background", False),
@@ -171,6 +177,7 @@ MESSAGES = (
     _h("tool_choice", "auto, any (required), tool (named), none; disable_parallel_tool_use"),
     _h("thinking", "enabled (budget_tokens: the reasoning budget), disabled (thinking off), adaptive"),
     _h("output_config", "format: a json_schema the reply is held to; effort: K3's thinking_effort"),
+    *(f for f in _EXTENSIONS if f.name != "top_k"),
     _n("model", "one model is served; any name is taken"),
     _n("metadata", "accepted; nothing is stored"),
     _n("service_tier", "one tier"),

@@ -14,7 +14,7 @@ import secrets
 from typing import Any, Mapping
 
 from .errors import ApiError, anthropic_error, bad_request
-from .fields import MESSAGES, check_fields
+from .fields import PASSED_ON, MESSAGES, check_fields
 from .jobs import Result
 from .replies import Piece, Reply
 from .streams import sse
@@ -144,6 +144,7 @@ def chat_body(body: Any) -> dict:
     for i, m in enumerate(body["messages"]):
         msgs += _turn(m, i)
     chat: dict = {"messages": msgs, "stream": bool(body.get("stream"))}
+    chat.update({k: body[k] for k in PASSED_ON if body.get(k) is not None})
     for src, dst in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("top_k", "top_k"), ("stop_sequences", "stop")):
         if body.get(src) is not None:

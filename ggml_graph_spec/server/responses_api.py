@@ -16,7 +16,7 @@ import time
 from typing import Any, Mapping
 
 from .errors import ApiError, bad_request
-from .fields import RESPONSES, check_fields
+from .fields import PASSED_ON, RESPONSES, check_fields
 from .jobs import Result
 from .replies import Piece, Reply
 from .streams import sse
@@ -125,6 +125,7 @@ def chat_body(body: Any) -> dict:
         raise bad_request("the request body must be a JSON object")
     check_fields(body, RESPONSES, "/v1/responses")
     chat: dict = {"messages": _messages(body), "stream": bool(body.get("stream"))}
+    chat.update({k: body[k] for k in PASSED_ON if body.get(k) is not None})
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("max_output_tokens", "max_tokens"),
                      ("parallel_tool_calls", "parallel_tool_calls"), ("top_logprobs", "top_logprobs")):
         if body.get(src) is not None:
