@@ -161,7 +161,9 @@ class Constraint:
             self.error = self.error or self._matcher.get_error() or f"token {token} is not in the grammar"
         self._channels.feed(token)
         self._channels.take()  # only its channel is wanted here
-        if self._channels.channel == "think" and not self._budget_spent:
+        # Only the think channel's text counts: a marker the model wrote (its own `<|close|>think`
+        # under way) is not thinking, and forcing the closer inside that tag would break it.
+        if self._channels.channel == "think" and not self._channels.in_tag and not self._budget_spent:
             self._think_tokens += 1
             if self._think_tokens >= self.plan.budget:
                 self._force_closer()

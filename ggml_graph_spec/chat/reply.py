@@ -129,6 +129,11 @@ class ReplyParser:
             return False
         return self._on_text(self._tok.token_bytes(token))
 
+    @property
+    def in_tag(self) -> bool:
+        """Between a marker and its `<|sep|>`: the tokens there are markup, not channel text."""
+        return self._tag is not None
+
     def take(self) -> list[Delta]:
         out, self._deltas = self._deltas, []
         return out

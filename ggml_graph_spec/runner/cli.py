@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from gguf_arch.errors import run_cli, signals
+from gguf_arch.errors import EXIT_INTERRUPTED, run_cli, signals
 from gguf_arch.io.console import ArgumentParser
 from gguf_arch.io.jsonfile import read_text
 
@@ -34,9 +34,12 @@ from ..generation.sampling import (DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT
                                    DEFAULT_TOP_K, DEFAULT_TOP_P, Sampler, SamplingParams)
 from ..text.chat_template import chat_template
 from ..text.tokenizer import BPETokenizer
+from .agent_args import (add_grammar_arguments, add_reasoning_arguments, check_agent_options, reasoning_given,
+                         reply_constraint)
 from .args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                    load_options)
-from .chat import Conversation, add_chat_arguments, run_interactive, stream
+from .chat import Conversation, add_chat_arguments, stream
+from .session import PromptExit, run_interactive
 from .interrupt import sigint_stops
 from .media import MediaInput, add_media_arguments, check_media
 from .summary import summary
@@ -73,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true",
                    help="never sample the end-of-generation token (EOS); go on until -n, a reverse prompt or a full context")
     add_chat_arguments(p)
+    add_reasoning_arguments(p)
+    add_grammar_arguments(p)
     add_model_arguments(p)
     add_context_arguments(p)
     add_placement_arguments(p)
@@ -88,6 +93,7 @@ def run_mode(a: argparse.Namespace) -> str:
     -i and no prompt at all mean a conversation; unlike it, a prompt alone means a completion."""
     chat_only = [o for o, v in (("-sys", a.system_prompt), ("--chat-template-file", a.chat_template_file),
                                 ("--chat-template-kwargs", a.chat_template_kwargs)) if v is not None]
+    chat_only += reasoning_given(a) + (["-st/--single-turn"] if a.single_turn else [])
     if a.perplexity:
         if a.conversation or a.interactive:
             raise UsageError("--perplexity scores a file; it does not run a conversation (-cnv/-i)")
@@ -182,12 +188,14 @@ def _run_completion(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
     if not args.no_display_prompt:  # with media: the media blocks the model reads
         sys.stdout.write(text if prompt is None else prompt.text)
     sampler, stop = _sampler(args, model, tokenizer), _stop_rules(args, tokenizer)
+    constraint = reply_constraint(tokenizer, "text", args.reply_options)  # -j/--grammar: the whole text
     with sigint_stops() as interrupt:
         flag = lambda: interrupt.requested  # noqa: E731
-        generation = (generate(model, tokenizer.encode(text), sampler, stop, timings=timings, stop_requested=flag)
+        generation = (generate(model, tokenizer.encode(text), sampler, stop, timings=timings, stop_requested=flag,
+                               constraint=constraint)
                       if prompt is None else
                       generate_media(model, media.encoder, prompt, (), sampler, stop, timings=timings,
-                                     stop_requested=flag))
+                                     stop_requested=flag, constraint=constraint))
         reply = stream(generation, sys.stdout)
     print()
     return reply.reason == "interrupted"
@@ -202,8 +210,9 @@ def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPEToke
     elif text is not None and not args.no_display_prompt:
         sys.stdout.write(text)
     conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),
-                                template, encoder=media and media.encoder, pending=list(media.items) if media else [])
-    run_interactive(conversation, text, args.system_prompt, template_line, timings, _log)
+                                template, encoder=media and media.encoder, pending=list(media.items) if media else [],
+                                options=args.reply_options, color=sys.stdout.isatty())
+    run_interactive(conversation, text, args.system_prompt, template_line, timings, _log, args.single_turn)
     return False
 
 
@@ -217,10 +226,11 @@ _RUNNERS = {"complete": _run_completion, "chat": _run_conversation, "interactive
             "perplexity": _run_perplexity}
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
     _log(check_options(args))
     options = load_options(args, progress=sys.stderr.isatty())  # one load path: LoadOptions, Model.load
     args.mode = run_mode(args)
+    check_agent_options(args)  # a bad schema or grammar costs no load
     text = _read_text(args.file) if args.file is not None else args.prompt
     media = check_media(args, text)
     timings = Timings()
@@ -247,6 +257,8 @@ def run(args: argparse.Namespace) -> None:
         _log(timings.lines(), prefix="kimi_k3_perf: ")
         if isinstance(model.executor, StreamingExecutor):  # the expert cache's hits over the whole run
             _log([f"{k}: {v}" for k, v in model.executor.stats()], prefix="kimi_k3_perf: ")
+        if isinstance(stop, PromptExit):  # Ctrl-C at a conversation's prompt: its normal end, no error line
+            return EXIT_INTERRUPTED
         if stop is not None:  # llama-cli prints the timings, then exits 130 (143 for SIGTERM)
             raise stop
     finally:
