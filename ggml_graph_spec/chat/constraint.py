@@ -120,7 +120,7 @@ class Constraint:
     def mask(self, logits: np.ndarray, room: int | None = None) -> np.ndarray:
         """`logits` with every token this constraint forbids at -inf (a copy when changed); `room`:
         the tokens the reply may still take (None: no limit)."""
-        if self._forced:
+        if self._forced and self._may_force():
             return _only(logits, self._forced[0])
         if self._matcher is not None:
             return self._grammar_mask(logits, room)
@@ -129,6 +129,13 @@ class Constraint:
             out[self._open] = -np.inf
             return out
         return logits
+
+    def _may_force(self) -> bool:
+        """Whether the forced closer may start now: under a grammar, not before the grammar takes
+        its first token (a multi-byte character the think text is in the middle of is finished
+        first; forcing the marker there would break the grammar). Once started, it goes on."""
+        started = len(self._forced) < len(self.plan.closer)
+        return started or self._matcher is None or self._matcher.validate_tokens([self._forced[0]]) == 1
 
     def _after_response(self) -> bool:
         ch = self._channels.channel
