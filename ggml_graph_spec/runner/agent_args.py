@@ -117,17 +117,20 @@ def reply_options(a: argparse.Namespace) -> ReplyOptions:
 
 
 def response_constraint(a: argparse.Namespace) -> Response:
-    """-j, -jf, --grammar or --grammar-file as a grammar.Response, validated; None without them."""
-    if a.json_schema is not None:
-        return _schema(_json_text(a.json_schema, "-j/--json-schema"), "-j/--json-schema")
-    if a.json_schema_file is not None:
-        where = f"-jf/--json-schema-file {a.json_schema_file}"
-        return _schema(_reread(lambda: read_json(a.json_schema_file, UsageError, "no such file"), where), where)
-    if a.grammar is not None:
-        return _gbnf(a.grammar, "--grammar")
-    if a.grammar_file is not None:
-        where = f"--grammar-file {a.grammar_file}"
-        return _gbnf(_reread(lambda: read_text(a.grammar_file, UsageError, "no such file"), where), where)
+    """-j, -jf, --grammar or --grammar-file as a grammar.Response, validated; None without them
+    (or for a parser without add_grammar_arguments)."""
+    schema, schema_file = getattr(a, "json_schema", None), getattr(a, "json_schema_file", None)
+    grammar, grammar_file = getattr(a, "grammar", None), getattr(a, "grammar_file", None)
+    if schema is not None:
+        return _schema(_json_text(schema, "-j/--json-schema"), "-j/--json-schema")
+    if schema_file is not None:
+        where = f"-jf/--json-schema-file {schema_file}"
+        return _schema(_reread(lambda: read_json(schema_file, UsageError, "no such file"), where), where)
+    if grammar is not None:
+        return _gbnf(grammar, "--grammar")
+    if grammar_file is not None:
+        where = f"--grammar-file {grammar_file}"
+        return _gbnf(_reread(lambda: read_text(grammar_file, UsageError, "no such file"), where), where)
     return None
 
 
