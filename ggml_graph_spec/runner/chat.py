@@ -122,7 +122,6 @@ class _Undo:
     state: bytes
     rendered: str
     unevaluated: list[int]
-    pending: list[MediaItem]
     n_before: int  # messages before the turn
     n_messages: int = 0  # with the turn's user message
     tokens: Prompt = field(default_factory=list)
@@ -188,8 +187,7 @@ class Conversation:
     def turn(self, user_text: str, out: TextIO, timings: Timings, interrupt: Interrupt | None = None) -> Reply:
         """Feed the user's turn, stream the reply to `out`, and keep what the next turn needs. A
         turn that cannot be fed (it does not fit the context) leaves the conversation as it was."""
-        undo = _Undo(self.model.state_get(0), self._rendered, list(self._unevaluated), list(self.pending),
-                     len(self.messages))
+        undo = _Undo(self.model.state_get(0), self._rendered, list(self._unevaluated), len(self.messages))
         try:
             undo.tokens = self.new_input(user_text, timings)
         except BaseException:
@@ -237,9 +235,10 @@ class Conversation:
         return len(ids)
 
     def _back_to(self, undo: _Undo) -> None:
-        """The conversation as it was before a turn that was not fed (the caches never changed)."""
+        """The conversation as it was before a turn that was not fed (the caches never changed; the
+        turn's images and clips go with it, as a turn whose media fail drops them)."""
         self.messages = self.messages[:undo.n_before]
-        self._rendered, self._unevaluated, self.pending = undo.rendered, undo.unevaluated, undo.pending
+        self._rendered, self._unevaluated = undo.rendered, undo.unevaluated
 
     def _reply(self, undo: _Undo, out: TextIO, timings: Timings, interrupt: Interrupt | None) -> Reply:
         self.sampler.reset()
