@@ -39,9 +39,9 @@ from .agent_args import (add_grammar_arguments, add_reasoning_arguments, check_a
 from .args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                    load_options)
 from .chat import Conversation, add_chat_arguments, stream
-from .session import PromptExit, run_interactive
 from .interrupt import sigint_stops
 from .media import MediaInput, add_media_arguments, check_media
+from .session import PromptExit, run_interactive
 from .summary import summary
 from .validation import RANDOM_SEED, UsageError, check_options
 
