@@ -120,7 +120,7 @@ class Constraint:
     def mask(self, logits: np.ndarray, room: int | None = None) -> np.ndarray:
         """`logits` with every token this constraint forbids at -inf (a copy when changed); `room`:
         the tokens the reply may still take (None: no limit)."""
-        if self._forced and not self._channels.mid_character:  # never close a channel inside a character
+        if self._forced and self._may_force():
             return _only(logits, self._forced[0])
         if self._matcher is not None:
             return self._grammar_mask(logits, room)
@@ -129,6 +129,17 @@ class Constraint:
             out[self._open] = -np.inf
             return out
         return logits
+
+    def _may_force(self) -> bool:
+        """Whether the forced closer may start now: under a grammar, not before the grammar takes
+        its first token (a multi-byte character the think text is in the middle of is finished
+        first; forcing the marker there would break the grammar). Once started, it goes on."""
+        started = len(self._forced) < len(self.plan.closer)
+        if started:
+            return True
+        if self._channels.mid_character:  # never close a channel inside a character, grammar or not
+            return False
+        return self._matcher is None or self._matcher.validate_tokens([self._forced[0]]) == 1
 
     def _after_response(self) -> bool:
         ch = self._channels.channel
@@ -161,6 +172,8 @@ class Constraint:
             self.error = self.error or self._matcher.get_error() or f"token {token} is not in the grammar"
         self._channels.feed(token)
         self._channels.take()  # only its channel is wanted here
+        # Only the think channel's text counts: a marker the model wrote (its own `<|close|>think`
+        # under way) is not thinking, and forcing the closer inside that tag would break it.
         if self._channels.channel == "think" and not self._channels.in_tag and not self._budget_spent:
             self._think_tokens += 1
             if self._think_tokens >= self.plan.budget:

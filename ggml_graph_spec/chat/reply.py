@@ -141,7 +141,7 @@ class ReplyParser:
 
     @property
     def in_tag(self) -> bool:
-        """Between a marker and its `<|sep|>`: the model is writing a tag."""
+        """Between a marker and its `<|sep|>`: the tokens there are markup, not channel text."""
         return self._tag is not None
 
     def take(self) -> list[Delta]:

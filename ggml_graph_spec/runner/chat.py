@@ -1,4 +1,4 @@
-"""Conversation mode of kimi-k3-cli (llama-cli's -cnv / -i): turns, the chat template, the input loop.
+"""Conversation mode of kimi-k3-cli (llama-cli's -cnv / -i): turns, the chat template, the input reader.
 
 Each turn feeds the model only what is new. For a chat the new text is what the template renders
 for the conversation with the new user message, past the rendering of the conversation before it
@@ -15,39 +15,46 @@ turn's new tokens is replaced by its item's rows (generation/media.py). A turn w
 placeholders do not match its items, or a file that cannot be used, is an error line; the
 conversation goes on.
 
-The input loop reads lines from a terminal (prompt `> `, a line ending in `\\` continues on the
-next one) or from a pipe (no prompt); `/exit` or the end of input ends the conversation.
+A chat reply is parsed as it is sampled (chat/reply.py; shown by display.py): the history keeps
+its answer as `content` and its thinking as `reasoning_content`, for the template to render (K3's
+puts it in the think element). Each reply is constrained as the server constrains one (no tools
+section, the reasoning budget, the answer held to -j/--grammar: agent_args.py). /regen restores the
+sequence's state from before the last turn (each turn keeps a copy: the size of the caches'
+used rows); /load feeds a saved conversation to empty caches.
+
+The input reader takes lines from a terminal (prompt `> `, a line ending in `\\` continues on the
+next one) or from a pipe (no prompt); the loop and its commands are session.py's.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, TextIO
 
 from gguf_arch.arch.chat_template import SAMPLE_CONVERSATION
 from gguf_arch.arch.template_sandbox import compile_template, render
-from gguf_arch.errors import KimiError
 from gguf_arch.io.console import UsageError
 from gguf_arch.io.jsonfile import not_unicode, read_text
 
+from ..chat.reply import ReplyParser
 from ..engine.model import Model
 from ..generation.batch import Prompt
 from ..generation.events import Reply, StopRules, Timings
-from ..generation.generate import check_fits, generate
+from ..generation.generate import GenerationError, check_fits, generate
 from ..generation.media import media_runs, plan_media
 from ..generation.sampling import Sampler
-from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, ReplyFilter, reserved_kwargs
+from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, ReplyFilter, reserved_kwargs  # noqa: F401 (its callers' name)
 from ..text.tokenizer import BPETokenizer
 from ..vision.encode import VisionEncoder
-from ..vision.preprocess import MediaError, MediaItem
+from ..vision.preprocess import MediaItem
 from ..vision.prompt import PromptError, expand_markers, media_content
-from .interrupt import Interrupt, sigint_stops
-from .media import command_item, media_command
-
-EXIT_COMMAND = "/exit"
+from .agent_args import ReplyOptions, reply_constraint, reply_start
+from .display import ReplyView
+from .interrupt import Interrupt
+from .media import command_item
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,13 +69,13 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-sys", "--system-prompt", metavar="PROMPT", help="system message of the conversation")
     g.add_argument("-sysf", "--system-prompt-file", type=Path, metavar="FILE",
                    help="read the system message from FILE (one final newline dropped, as llama.cpp does)")
-    g.add_argument("-st", "--single-turn", action="store_true",
-                   help="one turn, then exit: the reply to -p/-f, or to the first input line without them")
     g.add_argument("-sp", "--special", action="store_true",
                    help="show the special tokens and tag markup of a chat reply (a completion shows them anyway)")
     add_template_arguments(g)
     g.add_argument("-r", "--reverse-prompt", action="append", default=[], metavar="PROMPT",
                    help="stop the reply when the output shows PROMPT and return control (repeatable)")
+    g.add_argument("-st", "--single-turn", action="store_true",
+                   help="one turn, then exit: the reply to -p/-f, or to the first input line")
 
 
 def add_template_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -104,9 +111,10 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
 
 
 def check_chat_options(a: argparse.Namespace) -> None:
-    """Before loading: --chat-template-kwargs parsed (`a.template_kwargs`), --chat-template-file
-    read (a FIFO or directory refused, not waited on), compiled and rendered once on a sample
-    conversation (`a.template_file`: its path and text), so that a bad one costs no load."""
+    """Before loading: --chat-template-kwargs parsed (`a.template_kwargs`), -sysf read,
+    --chat-template or --chat-template-file read (a FIFO or directory refused, not waited on),
+    compiled and rendered once on a sample conversation (`a.template_file`: where and its text),
+    so that a bad one costs no load."""
     a.template_kwargs = parse_template_kwargs(a.chat_template_kwargs) if a.chat_template_kwargs is not None else {}
     a.template_file = None
     if getattr(a, "system_prompt_file", None) is not None:  # llama.cpp drops one final newline
@@ -123,9 +131,9 @@ def check_chat_options(a: argparse.Namespace) -> None:
 
 def template_source(a: argparse.Namespace) -> tuple[str, str | None]:
     """(where, text) of --chat-template or --chat-template-file; (_, None) with neither."""
-    if a.chat_template is not None and a.chat_template_file is not None:
+    if getattr(a, "chat_template", None) is not None and a.chat_template_file is not None:
         raise UsageError("--chat-template and --chat-template-file both give the template: give one")
-    if a.chat_template is not None:
+    if getattr(a, "chat_template", None) is not None:
         if "{{" not in a.chat_template and "{%" not in a.chat_template:
             raise UsageError(f"--chat-template {a.chat_template}: llama.cpp's built-in template names are not known "
                              "here; give the template's Jinja text, or --chat-template-file FILE")
@@ -133,6 +141,20 @@ def template_source(a: argparse.Namespace) -> tuple[str, str | None]:
     if a.chat_template_file is None:
         return "", None
     return str(a.chat_template_file), read_text(a.chat_template_file, UsageError, "no such file")
+
+
+@dataclass
+class _Undo:
+    """What a reply started from: the sequence's state before its turn was fed, the turn's tokens,
+    the conversation's rendering before it and its messages with the turn's user message."""
+
+    state: bytes
+    rendered: str
+    unevaluated: list[int]
+    n_before: int  # messages before the turn
+    n_messages: int = 0  # with the turn's user message
+    tokens: Prompt = field(default_factory=list)
+    start: str = "text"
 
 
 @dataclass
@@ -147,9 +169,13 @@ class Conversation:
     encoder: VisionEncoder | None = None  # with --mmproj: turns may hold images and clips
     messages: list[dict[str, Any]] = field(default_factory=list)
     pending: list[MediaItem] = field(default_factory=list)  # the next turn's images and clips
-    special: bool = False  # -sp: a chat reply shows its special tokens and tag markup too
+    options: ReplyOptions = field(default_factory=ReplyOptions)  # the agent flags: reasoning, a grammar
+    color: bool = False  # grey thinking (stdout is a terminal)
+    special: bool = False  # -sp: a chat reply is printed whole, its special tokens and tag markup too
     _rendered: str = ""  # the template's rendering of `messages`, without a generation prompt
     _unevaluated: list[int] = field(default_factory=list)  # the end of the last reply, not yet in the caches
+    _start: str = "text"  # the channel the last generation prompt opened (think, response; text: not K3's)
+    _undo: _Undo | None = None  # the last reply's starting point (/regen)
 
     def new_tokens(self, user_text: str, items: list[MediaItem] | None = None) -> list[int]:
         """The tokens this turn adds to the caches: the end of the last reply, then the turn (with
@@ -163,6 +189,7 @@ class Conversation:
             message = {"role": "user", "content": media_content(user_text, items) if items else user_text}
             full = self.template.render(self.messages + [message], add_generation_prompt=True)
             text = full[_common_prefix(self._rendered, full):]
+            self._start = reply_start(full)
             self.messages.append(message)
         ids = self.tokenizer.encode(text, add_bos=None if first else False)
         return self._unevaluated + ids
@@ -188,19 +215,102 @@ class Conversation:
         self.pending.append(command_item(self.encoder, command, arg))
 
     def turn(self, user_text: str, out: TextIO, timings: Timings, interrupt: Interrupt | None = None) -> Reply:
-        """Feed the user's turn, stream the reply to `out`, and keep what the next turn needs."""
-        tokens = self.new_input(user_text, timings)
+        """Feed the user's turn, stream the reply to `out`, and keep what the next turn needs. A
+        turn that cannot be fed (it does not fit the context) leaves the conversation as it was."""
+        undo = _Undo(self.model.state_get(0), self._rendered, list(self._unevaluated), len(self.messages))
+        try:
+            undo.tokens = self.new_input(user_text, timings)
+        except BaseException:
+            self._back_to(undo)
+            raise
+        undo.n_messages, undo.start = len(self.messages), self._start
+        return self._reply(undo, out, timings, interrupt)
+
+    def regenerate(self, out: TextIO, timings: Timings, interrupt: Interrupt | None = None) -> Reply:
+        """/regen: the last reply dropped, and generated again from the state it started from (the
+        sampler's RNG goes on: a sampled reply comes out differently, a greedy one the same)."""
+        undo = self._undo
+        if undo is None:
+            raise UsageError("/regen: no reply to regenerate yet" if self.model.n_past == 0 else
+                             "/regen: no reply of this conversation to regenerate (after /load or /clear)")
+        self.model.state_set(0, undo.state, "the state before the last reply")
+        self.messages = self.messages[:undo.n_messages]
+        self._rendered, self._start = undo.rendered, undo.start
+        return self._reply(undo, out, timings, interrupt)
+
+    def clear(self) -> None:
+        """/clear: the conversation forgotten (its system message kept), the caches reset."""
+        self.model.reset()
+        self.messages = self.messages[:1] if self.messages and self.messages[0]["role"] == "system" else []
+        self._rendered, self._unevaluated, self.pending, self._undo = "", [], [], None
+
+    def load(self, messages: list[dict[str, Any]], timings: Timings, interrupt: Interrupt | None = None) -> int:
+        """/load: `messages` become the conversation, fed to empty caches as the template renders
+        them (the model reads them as written, not as it once sampled them); the tokens fed. One
+        that does not fit the context, or a load cut by Ctrl-C, leaves the conversation as it was."""
+        if self.template is None:
+            raise UsageError("/load needs a chat template (without one, -i -no-cnv feeds text as it is)")
+        text = self.template.render(messages, add_generation_prompt=False)
+        ids = self.tokenizer.encode(text)
+        if len(ids) >= self.model.n_ctx:
+            raise GenerationError(f"the conversation is {len(ids)} tokens, the context -c {self.model.n_ctx}: "
+                                  "raise -c")
+        before = self.model.state_get(0)
+        self.model.reset()
+        if not _feed(self.model, ids, timings, interrupt):
+            self.model.state_set(0, before, "the state before /load")
+            raise UsageError("/load interrupted: the conversation is as it was")
+        self.messages, self._rendered = list(messages), text
+        self._unevaluated, self.pending, self._undo = [], [], None
+        return len(ids)
+
+    def _back_to(self, undo: _Undo) -> None:
+        """The conversation as it was before a turn that was not fed (the caches never changed; the
+        turn's images and clips go with it, as a turn whose media fail drops them)."""
+        self.messages = self.messages[:undo.n_before]
+        self._rendered, self._unevaluated = undo.rendered, undo.unevaluated
+
+    def _reply(self, undo: _Undo, out: TextIO, timings: Timings, interrupt: Interrupt | None) -> Reply:
         self.sampler.reset()
-        show = ReplyFilter(self.tokenizer) if self.template is not None and not self.special else (lambda _t: True)
-        reply = stream(generate(self.model, tokens, self.sampler, self.stop, timings=timings, show=show,
-                                stop_requested=_flag(interrupt)), out)
+        view = ReplyView(self.tokenizer, self._start, self.options.inline, self.color) \
+            if self.template is not None and not self.special else None
+        # -sp prints every token as it is; the reply is still parsed for the conversation's history
+        raw = ReplyParser(self.tokenizer, self._start) if self.template is not None and self.special else None
+        show = view.show if view else (lambda t: raw.feed(t) or True) if raw else (lambda _t: True)
+        try:
+            generation = generate(self.model, undo.tokens, self.sampler, self.stop, timings=timings, show=show,
+                                  stop_requested=_flag(interrupt),
+                                  constraint=reply_constraint(self.tokenizer, self._start, self.options))
+        except GenerationError:
+            self._back_to(undo)
+            raise
+        reply, parsed = view.stream(generation, out) if view else (stream(generation, out), None)
+        if raw is not None:
+            parsed = raw.finish()
+        self._undo = undo
         self._unevaluated = [] if reply.pending is None else [reply.pending]
         if self.template is not None:
             if reply.reason != "eog" and self.tokenizer.eos_id is not None:
                 self._unevaluated.append(self.tokenizer.eos_id)
-            self.messages.append({"role": "assistant", "content": reply.text})
+            message = {"role": "assistant", "content": parsed.content}
+            if parsed.reasoning:  # the template decides whether to render it (K3's: in the think element)
+                message["reasoning_content"] = parsed.reasoning
+            self.messages.append(message)
             self._rendered = self.template.render(self.messages, add_generation_prompt=False)
         return reply
+
+
+def _feed(model: Model, ids: list[int], timings: Timings, interrupt: Interrupt | None) -> bool:
+    """Evaluate `ids` on sequence 0, -b tokens at a time; False when a Ctrl-C stopped it."""
+    for i in range(0, len(ids), model.n_batch):
+        if interrupt is not None and interrupt.requested:
+            return False
+        chunk = ids[i:i + model.n_batch]
+        t = time.perf_counter()
+        model.decode({0: chunk})
+        timings.prompt_s += time.perf_counter() - t
+        timings.prompt_tokens += len(chunk)
+    return True
 
 
 def stream(generation, out: TextIO) -> Reply:
@@ -270,68 +380,3 @@ class LineReader:
         if line is None:
             return "\n".join(parts) if parts else None
         return "\n".join(parts + [line])
-
-
-def banner(conversation: Conversation, system: str | None, template_line: str) -> list[str]:
-    """llama-cli's interactive-mode notes (stderr)."""
-    lines = [template_line] if conversation.template is not None else []
-    lines += ["== Running in interactive mode. ==", " - Press Ctrl+C to interject at any time.",
-              " - Press Return to return control to the AI.",
-              " - To submit another line, end your input with '\\'.",
-              f" - {EXIT_COMMAND} or the end of input (Ctrl+D) ends the conversation; Ctrl+C at the prompt exits."]
-    if conversation.template is not None and system is None:
-        lines.append(" - Not using system message. To change it, set a different value via -sys PROMPT")
-    return lines
-
-
-def _read(reader: LineReader, out: TextIO) -> str | None:
-    try:
-        return reader.read()
-    except KeyboardInterrupt:  # Ctrl-C at the prompt ends the program (llama-cli): end the line first
-        out.write("\n")
-        raise
-
-
-def _media_turn_error(exc: KimiError) -> None:
-    # A turn's media that cannot be used ends that turn, not the conversation (llama-mtmd-cli).
-    print(f"error: {exc}", file=sys.stderr, flush=True)
-
-
-def converse(conversation: Conversation, first: str | None, reader: LineReader, out: TextIO,
-             timings: Timings, single_turn: bool = False) -> None:
-    """Turns until /exit or the end of input (-st: until the first reply); Ctrl-C during a reply
-    ends that reply only."""
-    pending = first
-    while True:
-        if pending is None:
-            pending = _read(reader, out)
-            if pending is None or pending.strip() == EXIT_COMMAND:
-                break
-        command = media_command(pending)
-        try:
-            if command is not None:
-                conversation.attach(*command)
-            elif pending.strip():
-                with sigint_stops() as interrupt:
-                    conversation.turn(pending, out, timings, interrupt)
-                out.write("\n")
-                out.flush()
-                if single_turn:
-                    break
-        except (MediaError, PromptError) as exc:
-            _media_turn_error(exc)
-        except UsageError as exc:  # a /image or /video line without --mmproj or a file
-            if command is None:
-                raise
-            _media_turn_error(exc)
-        pending = None
-    if reader.terminal:
-        out.write("\n")
-
-
-def run_interactive(conversation: Conversation, first: str | None, system: str | None, template_line: str,
-                    timings: Timings, log: Callable[[Sequence[str]], None], single_turn: bool = False) -> None:
-    if conversation.template is not None and system is not None:
-        conversation.messages.append({"role": "system", "content": system})
-    log(banner(conversation, system, template_line))
-    converse(conversation, first, LineReader(sys.stdin, sys.stdout), sys.stdout, timings, single_turn)

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from gguf_arch.errors import run_cli, signals
+from gguf_arch.errors import EXIT_INTERRUPTED, run_cli, signals
 from gguf_arch.io.console import ArgumentParser
 from gguf_arch.io.jsonfile import read_text
 
@@ -33,14 +33,17 @@ from ..generation.perplexity import chunk_count, perplexity
 from ..generation.sampling import Sampler
 from ..text.chat_template import chat_template
 from ..text.tokenizer import BPETokenizer
+from .agent_args import (add_grammar_arguments, add_reasoning_arguments, check_agent_options, reasoning_given,
+                         reply_constraint)
 from .args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                    load_options)
-from .chat import Conversation, add_chat_arguments, run_interactive, stream
+from .chat import Conversation, add_chat_arguments, stream
 from .flag_table import CLI
 from .flags import add_llama_flags, llama_notes
 from .interrupt import sigint_stops
 from .media import MediaInput, add_media_arguments, check_media
 from .sampling_args import add_sampling_arguments, sampling_params
+from .session import PromptExit, run_interactive
 from .summary import summary
 from .validation import RANDOM_SEED, UsageError, check_options
 
@@ -59,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     add_sampling_arguments(p)
     add_chat_arguments(p)
+    add_reasoning_arguments(p)
+    add_grammar_arguments(p)
     add_model_arguments(p)
     add_context_arguments(p)
     add_placement_arguments(p)
@@ -109,10 +114,12 @@ def process_escapes(text: str) -> str:
 def run_mode(a: argparse.Namespace) -> str:
     """complete, chat (-cnv), interactive (-i -no-cnv: no template) or perplexity. As in llama-cli,
     -i and no prompt at all mean a conversation; unlike it, a prompt alone means a completion."""
-    chat_only = [o for o, v in (("-sys", a.system_prompt if a.system_prompt_file is None else None), ("-sysf", a.system_prompt_file),
-                                ("--chat-template", a.chat_template), ("--chat-template-file", a.chat_template_file),
+    chat_only = [o for o, v in (("-sys", a.system_prompt if a.system_prompt_file is None else None),
+                                ("-sysf", a.system_prompt_file), ("--chat-template", a.chat_template),
+                                ("--chat-template-file", a.chat_template_file),
                                 ("--chat-template-kwargs", a.chat_template_kwargs), ("-st", a.single_turn or None))
                  if v is not None]
+    chat_only += reasoning_given(a)
     if a.perplexity:
         if a.conversation or a.interactive:
             raise UsageError("--perplexity scores a file; it does not run a conversation (-cnv/-i)")
@@ -204,12 +211,14 @@ def _run_completion(args: argparse.Namespace, model: Model, tokenizer: BPETokeni
     if not args.no_display_prompt:  # with media: the media blocks the model reads
         sys.stdout.write(text if prompt is None else prompt.text)
     sampler, stop = _sampler(args, model, tokenizer), _stop_rules(args, tokenizer)
+    constraint = reply_constraint(tokenizer, "text", args.reply_options)  # -j/--grammar: the whole text
     with sigint_stops() as interrupt:
         flag = lambda: interrupt.requested  # noqa: E731
-        generation = (generate(model, tokenizer.encode(text), sampler, stop, timings=timings, stop_requested=flag)
+        generation = (generate(model, tokenizer.encode(text), sampler, stop, timings=timings, stop_requested=flag,
+                               constraint=constraint)
                       if prompt is None else
                       generate_media(model, media.encoder, prompt, (), sampler, stop, timings=timings,
-                                     stop_requested=flag))
+                                     stop_requested=flag, constraint=constraint))
         reply = stream(generation, sys.stdout)
     print()
     return reply.reason == "interrupted"
@@ -225,7 +234,7 @@ def _run_conversation(args: argparse.Namespace, model: Model, tokenizer: BPEToke
         sys.stdout.write(text)
     conversation = Conversation(model, tokenizer, _sampler(args, model, tokenizer), _stop_rules(args, tokenizer),
                                 template, encoder=media and media.encoder, pending=list(media.items) if media else [],
-                                special=args.special)
+                                options=args.reply_options, color=sys.stdout.isatty(), special=args.special)
     run_interactive(conversation, text, args.system_prompt, template_line, timings, _log, args.single_turn)
     return False
 
@@ -240,13 +249,14 @@ _RUNNERS = {"complete": _run_completion, "chat": _run_conversation, "interactive
             "perplexity": _run_perplexity}
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
     _log(llama_notes(args) + check_options(args))
     if args.escape:  # llama.cpp's default: the escapes of -p and -r are the characters they name
         args.prompt = None if args.prompt is None else process_escapes(args.prompt)
         args.reverse_prompt = [process_escapes(r) for r in args.reverse_prompt]
     options = load_options(args, progress=sys.stderr.isatty())  # one load path: LoadOptions, Model.load
     args.mode = run_mode(args)
+    check_agent_options(args)  # a bad schema or grammar costs no load
     text = _read_text(args.file) if args.file is not None else args.prompt
     media = check_media(args, text)
     timings = Timings()
@@ -273,6 +283,8 @@ def run(args: argparse.Namespace) -> None:
         _log(timings.lines(), prefix="kimi_k3_perf: ")
         if isinstance(model.executor, StreamingExecutor):  # the expert cache's hits over the whole run
             _log([f"{k}: {v}" for k, v in model.executor.stats()], prefix="kimi_k3_perf: ")
+        if isinstance(stop, PromptExit):  # Ctrl-C at a conversation's prompt: its normal end, no error line
+            return EXIT_INTERRUPTED
         if stop is not None:  # llama-cli prints the timings, then exits 130 (143 for SIGTERM)
             raise stop
     finally:

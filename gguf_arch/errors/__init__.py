@@ -5,7 +5,8 @@ Exit codes (documented in README.md):
   1  a runtime failure outside the input's fault (I/O error, disk full, interrupted write)
   2  bad input: config, checkpoint, tokenizer, GGUF or command-line arguments
   129 hung up (SIGHUP), 130 interrupted by the user (Ctrl-C, SIGINT), 143 terminated (SIGTERM):
-     128 + the signal, each handled like Ctrl-C: one line saying what is left
+     128 + the signal, each handled like Ctrl-C: one line saying what is left (Ctrl-C at
+     kimi-k3-cli's conversation prompt is its normal end: 130 without that line)
   141 the reader of stdout went away (`| head`): the tool stops quietly, as on SIGPIPE
 """
 from __future__ import annotations

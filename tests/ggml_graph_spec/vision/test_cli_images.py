@@ -111,7 +111,8 @@ def test_later_turns_take_their_own_media_and_bad_media_ends_only_that_turn(caps
     clip = ",".join(str(p) for p in files("vid_2x32x24"))
     stdin = f"/image {REPO}/absent.png\n/video {clip}\nAnd {MEDIA_MARKER} then?\n{MEDIA_MARKER} alone\n"
     out, err = _cli(capsys, "-m", k31pro_tiny_gguf, "--mmproj", k31pro_tiny_mmproj, "-cnv", *media_args("e2e1"),
-                    "-p", f"What is in {MEDIA_MARKER}?", *GREEDY, "-c", "512", stdin=stdin, monkeypatch=monkeypatch)
+                    "-p", f"What is in {MEDIA_MARKER}?", *GREEDY, "-c", "512", "--reasoning-format", "none",
+                    stdin=stdin, monkeypatch=monkeypatch)  # none: the thinking inline, as Reply.text holds it
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and "absent.png: not found" in errors[0] and "1 media marker(s)" in errors[1], errors
     assert out == "".join(r + "\n" for r in _library_replies(k31pro_tiny_gguf, k31pro_tiny_mmproj, clip))
