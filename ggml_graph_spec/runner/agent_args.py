@@ -21,20 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf_arch.arch import xtml
 from gguf_arch.io.console import UsageError
 from gguf_arch.io.jsonfile import not_unicode, read_json, read_text
 
 from ..chat.constraint import Constraint, ConstraintPlan, GrammarError
 from ..chat.grammar import JsonSchema, Lark, ReplySpec, Response, text_grammar
+from ..chat.reasoning import EFFORTS, MAX_BUDGET, REASONING_FORMATS
 from ..text.tokenizer import BPETokenizer
 
-REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
-# --reasoning-effort: K3's thinking_effort for each level (llama.cpp's and OpenAI's names too);
-# None: thinking off.
-EFFORTS: dict[str, str | None] = {"none": None, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
-                                  "xhigh": "max", "max": "max"}
-MAX_BUDGET = 1 << 20
 # The flags that only mean something for a chat reply: given, they make kimi-k3-cli's run a
 # conversation (as -sys does); with -no-cnv they are refused.
 REASONING_FLAGS = (("--reasoning-format", "reasoning_format"), ("--reasoning-budget", "reasoning_budget"),
@@ -213,13 +207,6 @@ def check_agent_options(a: argparse.Namespace) -> None:
                          "with the EOS")
     if a.mode == "chat":
         a.template_kwargs = template_variables(options, a.template_kwargs)
-
-
-def reply_start(prompt_text: str) -> str:
-    """The channel a rendered generation prompt leaves open: think or response (K3's template,
-    thinking on or off), or text (a template that is not K3's: the whole reply is its answer).
-    The server reads it the same way (server/agent.py)."""
-    return next((c for c in (xtml.THINK, xtml.RESPONSE) if prompt_text.endswith(xtml.opening(c))), "text")
 
 
 def reply_constraint(tokenizer: BPETokenizer, start: str, options: ReplyOptions) -> Constraint | None:

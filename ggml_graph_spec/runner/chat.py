@@ -51,7 +51,8 @@ from ..text.tokenizer import BPETokenizer
 from ..vision.encode import VisionEncoder
 from ..vision.preprocess import MediaItem
 from ..vision.prompt import PromptError, expand_markers, media_content
-from .agent_args import ReplyOptions, reply_constraint, reply_start
+from ..chat.reasoning import reply_start
+from .agent_args import ReplyOptions, reply_constraint
 from .display import ReplyView
 from .interrupt import Interrupt
 from .media import command_item

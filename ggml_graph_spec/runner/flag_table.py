@@ -133,6 +133,12 @@ COMMON = (
     _x("--video-fps --video-timestamp-interval --video-ffmpeg-dir",
        "a clip is given as its frame files, --video F0,F1,... (no video decoding)"),
     _n("--jinja", "chat templates always run as Jinja here", 0),
+    _x("--skip-chat-parsing", "replies are always parsed into reasoning, content and tool calls: --reasoning-format "
+       "none (a request's reasoning_format none) keeps the thinking in the text", 0),
+    _n("--no-skip-chat-parsing", "replies are always parsed (docs/agents.md)", 0),
+    _n("--reasoning-preserve", "the chat template renders every past turn's reasoning_content as it is given", 0),
+    _x("--no-reasoning-preserve", "the chat template renders the reasoning_content the history gives: leave it out "
+       "of the turns it should not see", 0),
     _x("--no-jinja", "chat templates always run as Jinja here; there is no other template engine", 0),
     _x("--log-prompts-dir", "prompts are not logged to files"),
     _x("--gpt-oss-20b-default --gpt-oss-120b-default --vision-gemma-4b-default --vision-gemma-12b-default", _GET, 0),
@@ -210,6 +216,8 @@ SERVING = tuple(LlamaFlag(f.spellings, f.kind, f.why, (SERVER,), f.nargs, f.noop
     _n("--no-ui-mcp-proxy --no-webui-mcp-proxy", "there is no MCP proxy here", 0),
     _x("--tools-runtime --mcp-servers-config --mcp-servers-json", "no server-side tools or MCP servers here"),
     _x("-ag --agent", "no server-side agent here", 0),
+    _x("--tools", "the server runs no tools of its own: a client declares its tools in a request and runs them "
+       "(docs/agents.md)"),
     _n("-no-ag --no-agent", "there is no server-side agent here", 0),
     _n("--ui --webui", "the chat page at / is always served", 0),
     _n("--no-ui --no-webui", "the chat page at / is always served; it is a static page, and the API behind it "

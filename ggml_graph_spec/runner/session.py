@@ -23,7 +23,7 @@ from ..generation.generate import GenerationError
 from ..vision.preprocess import MediaError
 from ..vision.prompt import PromptError
 from . import commands
-from .agent_args import reply_start
+from ..chat.reasoning import reply_start
 from .chat import Conversation, LineReader
 from .commands import Command
 from .display import END_THINKING, START_THINKING

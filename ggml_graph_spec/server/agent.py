@@ -14,14 +14,11 @@ from typing import Any, Mapping
 
 from ..chat.constraint import ConstraintPlan, GrammarError
 from ..chat.grammar import JsonSchema, Lark, ReplySpec, Response
+from ..chat.reasoning import EFFORTS, MAX_BUDGET, REASONING_FORMATS, reply_start
 from ..chat.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from ..text.tokenizer import BPETokenizer
 from .errors import bad_request
 
-REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
-# OpenAI's reasoning_effort, as K3's thinking_effort ("none": thinking off).
-EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
-MAX_BUDGET = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +30,7 @@ class AgentDefaults:
     budget_message: str = ""
     thinking: bool | None = None  # --reasoning on/off; None: the template's default
     effort: str | None = None  # --reasoning-effort
+    response: Response = None  # -j/-jf/--grammar/--grammar-file: the default of a request that asks none
 
 
 @dataclass(frozen=True)
@@ -87,6 +85,11 @@ def response_format(body: Mapping[str, Any]) -> tuple[Response, Any]:
     return JsonSchema(inner), rf
 
 
+def asks_format(body: Mapping[str, Any]) -> bool:
+    """Whether the request says what its response is ({"type": "text"} included)."""
+    return any(body.get(k) is not None for k in ("response_format", "json_schema", "grammar"))
+
+
 def _grammar(text: Any) -> Lark:
     """llama-server's `grammar`: GBNF (or llguidance's Lark), for the response channel."""
     if not isinstance(text, str) or not text.strip():
@@ -103,8 +106,8 @@ def _reasoning(body: Mapping[str, Any], kwargs: dict, defaults: AgentDefaults) -
     the request's own chat_template_kwargs win."""
     effort = body.get("reasoning_effort")
     if effort is not None:
-        if effort != "none" and effort not in EFFORTS:
-            raise bad_request(f"'reasoning_effort' must be none or one of {', '.join(EFFORTS)}, got {effort!r}")
+        if effort not in EFFORTS:
+            raise bad_request(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, got {effort!r}")
         kwargs.setdefault("thinking", effort != "none")
         if effort != "none":
             kwargs.setdefault("thinking_effort", EFFORTS[effort])
@@ -143,6 +146,10 @@ def agent_kwargs(body: Mapping[str, Any], kwargs: dict, defaults: AgentDefaults)
     except ToolError as exc:
         raise _err(exc) from None
     response, told = response_format(body)
+    if not asks_format(body) and defaults.response is not None:  # the server's -j or --grammar
+        response = defaults.response
+        told = {"type": "json_schema", "json_schema": {"schema": response.schema}} \
+            if isinstance(response, JsonSchema) else None
     if tools:
         kwargs.setdefault("tools", body["tools"])
         kwargs.setdefault("tool_choice", choice.template_value)
@@ -155,8 +162,7 @@ def agent_kwargs(body: Mapping[str, Any], kwargs: dict, defaults: AgentDefaults)
 def reply_settings(body: Mapping[str, Any], prompt_text: str, tokenizer: BPETokenizer, tools: list[Tool],
                    choice: ToolChoice, response: Response, defaults: AgentDefaults) -> ChatReply:
     """How the reply to the rendered `prompt_text` is parsed and constrained."""
-    from gguf_arch.arch import xtml
-    start = next((c for c in (xtml.THINK, xtml.RESPONSE) if prompt_text.endswith(xtml.opening(c))), "text")
+    start = reply_start(prompt_text)
     fmt = body.get("reasoning_format", defaults.reasoning_format)
     if fmt not in REASONING_FORMATS:
         raise bad_request(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, got {fmt!r}")

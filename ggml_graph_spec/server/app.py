@@ -257,7 +257,7 @@ async def _job_request(server: Server, engine: Engine, body: Any, chat: bool) ->
         prompt, images, reply = cp.ids, cp.items, cp.reply
     else:
         prompt, images = await run_in_threadpool(protocol.completion_prompt, body, tok), []
-        plan = await run_in_threadpool(protocol.completion_plan, body, tok)
+        plan = await run_in_threadpool(protocol.completion_plan, body, tok, server.settings.agent)
     media = server.vision.plan(prompt, images) if images else None
     if media is not None:  # the rows' positions count; the rows are no tokens the prompt cache can compare
         prompt = media.merged.token_ids.tolist()

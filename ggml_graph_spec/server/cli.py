@@ -32,6 +32,7 @@ from gguf_arch.io.console import ArgumentParser, UsageError, human_size
 from ..engine.model import Model
 from ..engine.options import DEFAULT_CTX
 from ..generation.media import check_encoder
+from ..runner.agent_args import add_grammar_arguments, add_reasoning_arguments, reply_options
 from ..runner.args import (add_context_arguments, add_model_argument, add_model_arguments, add_placement_arguments,
                           load_options)
 from ..runner.chat import add_template_arguments, check_chat_options
@@ -44,6 +45,7 @@ from ..runner.summary import summary
 from ..runner.validation import cap_threads
 from ..text.chat_template import chat_template
 from ..vision.encode import VisionEncoder
+from .agent import AgentDefaults
 from .app import HttpSettings, Server, model_props
 from .protocol import ALL_TOKENS, RequestDefaults
 from .engine import Engine
@@ -95,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_CHECKPOINTS}; 0: none)")
     add_template_arguments(p)
     add_sampling_arguments(p, server=True)  # the defaults of the requests (llama-server's)
+    add_reasoning_arguments(p)  # their reasoning defaults
+    add_grammar_arguments(p)  # the constraint of a request that asks none
     add_model_arguments(p)
     add_context_arguments(p)  # -b (the most prompt tokens a slot feeds in one step), -ub, -ctk
     add_placement_arguments(p)
@@ -118,6 +122,7 @@ def check(a: argparse.Namespace) -> list[str]:
     if a.n_predict == 0:
         raise UsageError("-n/--n-predict must be >= 1 (or -1: until the end-of-generation token), got 0")
     check_chat_options(a)  # a missing, unreadable or failing template file is an error before loading
+    a.reply_options = reply_options(a)  # a schema or grammar that cannot be used: an error before loading
     notes = llama_notes(a) + cap_threads(a)
     if not _loopback(a.host) and a.api_key is None:
         notes.append(f"warning: listening on {a.host} without --api-key: anyone who can reach this address can "
@@ -215,8 +220,10 @@ def request_defaults(a: argparse.Namespace) -> RequestDefaults:
 
 
 def http_settings(a: argparse.Namespace) -> HttpSettings:
+    o = a.reply_options
+    agent = AgentDefaults(o.reasoning_format, o.reasoning_budget, o.budget_message, o.thinking, o.effort, o.response)
     return HttpSettings(a.alias or a.model.name, a.api_key, a.max_body, a.timeout, a.slot_save_path,
-                        request_defaults(a))
+                        request_defaults(a), agent)
 
 
 def run(a: argparse.Namespace) -> int:

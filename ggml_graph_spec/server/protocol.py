@@ -23,7 +23,7 @@ from ..text.tokenizer import BPETokenizer
 from ..vision.preprocess import MediaItem
 from .errors import bad_request
 from .fields import CHAT, COMPLETIONS, check_fields
-from .agent import AgentDefaults, ChatReply, response_format, agent_kwargs, history, reply_settings
+from .agent import AgentDefaults, ChatReply, asks_format, response_format, agent_kwargs, history, reply_settings
 from .media import Vision, image_parts
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -290,9 +290,12 @@ def chat_prompt(body: Mapping[str, Any], template: ChatTemplate, tokenizer: BPET
     return ChatPrompt(encode_marked(text, tokenizer), items, reply, text)
 
 
-def completion_plan(body: Mapping[str, Any], tokenizer: BPETokenizer) -> ConstraintPlan | None:
-    """/v1/completions' json_schema, grammar or response_format: the whole text is constrained."""
+def completion_plan(body: Mapping[str, Any], tokenizer: BPETokenizer,
+                    defaults: AgentDefaults = AgentDefaults()) -> ConstraintPlan | None:
+    """/v1/completions' json_schema, grammar or response_format (else the server's -j or
+    --grammar): the whole text is constrained."""
     response, _told = response_format(body)
+    response = defaults.response if not asks_format(body) else response
     if response is None:
         return None
     try:

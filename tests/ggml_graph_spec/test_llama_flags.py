@@ -23,13 +23,6 @@ from tests.support.paths import REPO
 
 TOOL_OF = dict(zip(READMES, (CLI, CLI, SERVER)))  # llama-cli, llama-completion, llama-server
 MAIN = {CLI: runner_cli, SERVER: server_cli}
-# Flags another change adds to the runners (structured output, reasoning, tools): not in this
-# table, not yet parsed. Removed from here when that change lands with them.
-AGENT_FLAGS = frozenset({
-    "-j", "--json-schema", "-jf", "--json-schema-file", "--grammar", "--grammar-file", "--reasoning-budget",
-    "--reasoning-budget-message", "--reasoning-format", "-rea", "--reasoning", "--reasoning-effort", "--tools",
-    "--skip-chat-parsing", "--no-skip-chat-parsing", "--chat-template-kwargs", "--reasoning-preserve",
-    "--no-reasoning-preserve"})
 SPELLING = re.compile(r"-{1,2}[A-Za-z][\w.\-]*")
 NUMERIC = {"N", "SEED", "INDEX", "SECONDS", "SIMILARITY", "PORT", "L", "P"}
 
@@ -76,10 +69,13 @@ def files(tmp_path_factory, k31pro_tiny_gguf, k31pro_tiny_mmproj, k31pro_tiny_di
     d = tmp_path_factory.mktemp("flags")
     (d / "prompt.txt").write_text("Hello", encoding="utf-8")
     (d / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    (d / "schema.json").write_text('{"type": "object"}', encoding="utf-8")
+    (d / "g.gbnf").write_text('root ::= "yes" | "no"', encoding="utf-8")
     image = k31pro_tiny_dir / "vision" / "img_32x32.png"
     frames = ",".join(str(k31pro_tiny_dir / "vision" / f"vid_2x32x24_frame{i}.png") for i in (0, 1))
     return {"model": str(k31pro_tiny_gguf), "mmproj": str(k31pro_tiny_mmproj), "text": str(d / "prompt.txt"),
-            "template": str(d / "t.jinja"), "image": str(image), "frames": frames, "dir": str(d / "slots")}
+            "template": str(d / "t.jinja"), "image": str(image), "frames": frames, "dir": str(d / "slots"),
+            "schema": str(d / "schema.json"), "grammar": str(d / "g.gbnf")}
 
 
 def accepted_values(files: dict[str, str]) -> dict[str, list[str]]:
@@ -93,7 +89,10 @@ def accepted_values(files: dict[str, str]) -> dict[str, list[str]]:
            "--port": "0", "--slot-save-path": files["dir"], "-a": "k3", "--alias": "k3", "--api-key": "key",
            "-to": "5", "--timeout": "5", "--image": files["image"], "--video": files["frames"],
            "-p": "Hello", "--prompt": "Hello", "-sys": "be brief", "--system-prompt": "be brief",
-           "-r": "User:", "--reverse-prompt": "User:"}
+           "-r": "User:", "--reverse-prompt": "User:", "-j": "{}", "--json-schema": "{}", "-jf": files["schema"],
+           "--json-schema-file": files["schema"], "--grammar": 'root ::= "a"', "--grammar-file": files["grammar"],
+           "--reasoning-format": "none", "--reasoning-budget": "16", "-rea": "on", "--reasoning": "on",
+           "--reasoning-effort": "high", "--chat-template-kwargs": '{"thinking": true}'}
     out = {flag: [value] for flag, value in one.items()}
     for flag in ("--image", "--video"):
         out[flag] += ["-mm", files["mmproj"]]
@@ -159,7 +158,7 @@ def walk(share: Path, readme: str, files: dict[str, str], monkeypatch, capsys) -
     walked, wrong = 0, []
     for spellings, metavar in readme_rows((share / readme).read_text(encoding="utf-8")):
         for spelling in spellings:
-            if spelling in AGENT_FLAGS or spelling in ("-m", "--model", "-t", "--threads"):
+            if spelling in ("-m", "--model", "-t", "--threads"):
                 continue
             values = values_of.get(spelling, generic_values(metavar)) if entry(tool, spelling) is None \
                 else generic_values(metavar)

@@ -186,3 +186,19 @@ def test_pydantic_ai_gets_its_output_type(server):
     agent = Agent(model, output_type=City, model_settings={"max_tokens": MAX_TOKENS, "temperature": 1.0,
                                                           "extra_body": {"reasoning_budget_tokens": 8, "seed": 1}})
     assert isinstance(agent.run_sync("Paris?").output, City)
+
+
+def test_the_servers_reasoning_and_schema_flags_are_the_defaults_of_requests(k31pro_tiny_gguf):
+    s = LiveServer(k31pro_tiny_gguf, "-np", 1, "-c", 1024, "--reasoning-budget", "0", "-j",
+                   '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
+    try:
+        body = {"messages": [{"role": "user", "content": "Fine?"}], "max_tokens": 80, "temperature": 1.0}
+        r = s.http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert json.loads(r["message"]["content"])["ok"] in (True, False) and not r["message"].get("reasoning_content")
+        free = s.http.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"},
+                                                         "reasoning_budget_tokens": 3}).json()["choices"][0]
+        assert free["message"].get("reasoning_content")  # a request's own fields win
+        text = s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 60, "temperature": 1.0}).json()
+        assert isinstance(json.loads(text["choices"][0]["text"])["ok"], bool)
+    finally:
+        s.close()
