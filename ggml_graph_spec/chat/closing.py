@@ -12,6 +12,11 @@ name, say), else the first allowed of CLOSERS, else the lowest allowed id (a sin
   end unreachable in the room left is not allowed: a new call or object is started only if it
   can still be finished.
 
+Looking ahead costs a few mask computations per token of the way; it is skipped while the room
+is so much larger than the way that no token could close the gap before the next look-ahead (one
+token adds at most the largest structure an opener was seen to start, or the whole way's length
+before any was measured).
+
 So strings close, structures close and required parts are written shortest-first, whatever the
 weights; a reply ends "length" only when even its shortest end did not fit when the look-ahead
 began. Outside its last MAX_LOOKAHEAD tokens a reply is never touched by this.
@@ -78,6 +83,8 @@ class EndInTime:
         self._eos = tokenizer.eos_id
         self._scratch = Bits(n_vocab)
         self.closing = False  # steered to the end (sticky)
+        self._skip = 0  # steps before the next look-ahead
+        self._jump = 0  # the most one token has been seen to add to the way's length
 
     def policy(self, matcher, bits: Bits) -> int | None:
         """The closing policy's token in the matcher's state (bits: its mask); None: none."""
@@ -112,9 +119,24 @@ class EndInTime:
         """The token the reply must take now (None: the weights choose) and the tokens it may not."""
         if room > MAX_LOOKAHEAD:
             return None, []
-        if not self.closing:
-            self.closing = room <= self.shortest(matcher, room + 1) + SLACK
         if self.closing:
             return self.policy(matcher, bits), []
-        banned = [t for t in self._openers if t in bits and self.shortest(matcher, room + 1, first=t) + SLACK > room]
+        if self._skip > 0:  # far enough from the end that no token can make it unreachable yet
+            self._skip -= 1
+            return None, []
+        need = self.shortest(matcher, room + 1)
+        self.closing = room <= need + SLACK
+        if self.closing:
+            return self.policy(matcher, bits), []
+        self._jump = max(self._jump, need)  # an upper bound until openers are measured
+        banned = []
+        for t in self._openers:
+            if t in bits:
+                after = self.shortest(matcher, room + 1, first=t)
+                self._jump = max(self._jump, after - need)
+                if after + SLACK > room:
+                    banned.append(t)
+        # A token adds at most `_jump` to the way's length (the largest structure an opener starts),
+        # and the room shrinks by one: the next look-ahead is due before the two can meet.
+        self._skip = max(0, (room - need - SLACK) // (self._jump + 1) - 1)
         return None, banned
