@@ -21,6 +21,7 @@ thread (bounded by LIMITS), so a step of the engine never waits for a compilatio
 """
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass
 import numpy as np
@@ -40,6 +41,9 @@ MAX_LEXER_STATES = 100_000
 STEP_LEXER_FUEL = 400_000
 
 
+_POSITION = re.compile(r"^at \d+\(\d+\): ")
+
+
 class GrammarError(ValueError):
     """A grammar (a schema, a tool declaration, a grammar text) that cannot be used."""
 
@@ -55,7 +59,9 @@ def compile_grammar(tokenizer: BPETokenizer, grammar: str, what: str):
     import llguidance
     matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0, limits=_limits())
     if matcher.is_error():
-        raise GrammarError(f"{what}: {matcher.get_error().splitlines()[0][:300]}")
+        # llguidance's first line, without its position in the grammar this module wrote around it
+        first = next((line for line in matcher.get_error().splitlines() if line.strip()), "")
+        raise GrammarError(f"{what}: {_POSITION.sub('', first.strip())[:300]}")
     return matcher
 
 
