@@ -204,10 +204,10 @@ def print_summary(r: dict) -> None:
     for lib, rows in r["grammars"].items():
         for name, row in rows.items():
             sc, c = row["spot_checks"], row["compile"]
-            print(f"{lib:10s} {name:22s} compile {c['cold_ms']:9.1f} ms (cached {c['cached_ms']:7.2f}) "
-                  f"mask median {row['mask_us']['median']:7.1f} us p99 {row['mask_us']['p99']:8.1f} us "
-                  f"parsed {sc['parsed']:2d}/{sc['ended']:2d} of {sc['walks']} "
-                  f"spelled marker works: {row['spelled_marker_works']} markers in text: {row['markers_in_text']}")
+            print(f"{lib:16s} {name:22s} compile {c['cold_ms']:8.1f} ms (cached {c['cached_ms']:6.2f}) "
+                  f"mask median {row['mask_us']['median']:6.1f} us p99 {row['mask_us']['p99']:8.1f} us; "
+                  f"walks parsed {sc['parsed']:2d}/{sc['ended']:2d} ended of {sc['walks']} {sc['failure_kinds'] or ''}; "
+                  f"spelled marker works: {row['spelled_marker_works']}, markers in text: {row['markers_in_text']}")
     for lib, rows in r["ratios"].items():
         for name, q in rows.items():
             print(f"{lib} / llguidance, {name}: compile {q['compile_cold']:.1f}x, mask median {q['mask_median']:.2f}x, "

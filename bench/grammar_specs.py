@@ -343,12 +343,16 @@ def check_tools(segs: list[str | bytes], tools: list[Tool]) -> str | None:
 
 
 def check_think(segs: list[str | bytes]) -> str | None:
-    r = _Reader(segs)
+    """Text, then <|close|>think<|sep|>: a special token before that is in the body."""
+    if segs[-3:] != [CLOSE, b"think", SEP]:
+        if segs and isinstance(segs[-1], bytes) and segs[-1].endswith(SEP.encode()):
+            return "the terminator's <|sep|> spelled as text"
+        return f"does not end with {CLOSE}think{SEP}: {segs[-3:]!r}"[:160]
+    for seg in segs[:-3]:
+        if isinstance(seg, str):
+            return f"special token {seg} in the think body"
     try:
-        r.value()  # the body: text only
-        r.element(CLOSE, "think")
-        if r.peek() is not None:
-            raise ValueError("output goes on after the terminator")
+        _text(b"".join(segs[:-3]), "the think body")
     except ValueError as e:
         return str(e)
     return None

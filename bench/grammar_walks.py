@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -129,14 +130,17 @@ def rollback_check(engine: Any, compiled: Any, seq: list[int], vocab_size: int) 
 
 @dataclass(frozen=True)
 class Closing:
-    """Tokens a walk prefers when it leans towards ending, in tiers: the markers that close an
-    element, the tag names after <|close|>, tokens made only of `"`, `}` and `]`."""
+    """Tokens a walk prefers when it leans towards ending, in tiers: the tag names after <|close|>,
+    then the markers that close an element or tokens made only of `"`, `}` and `]`, either first
+    half the time (where a library lets markers into text, always preferring them would never
+    close a JSON string)."""
     markers: list[int]
     tag_names: list[int]
     brackets: list[int]
 
-    def tiers(self, after_close: bool) -> list[list[int]]:
-        return [self.tag_names, self.markers, self.brackets] if after_close else [self.markers, self.brackets]
+    def tiers(self, after_close: bool, rng: random.Random) -> list[list[int]]:
+        rest = [self.markers, self.brackets] if rng.random() < 0.5 else [self.brackets, self.markers]
+        return [self.tag_names] + rest if after_close else rest
 
 
 def closing_tokens(vocab: Vocabulary) -> Closing:
@@ -168,7 +172,7 @@ def random_walk(engine: Any, compiled: Any, vocab: Vocabulary, closing: Closing,
             return {"tokens": tokens, "end": "no token allowed"}
         if is_allowed(bitmask, eos) and (len(allowed) == 1 or rng.random() < max(0.5, lean)):
             return {"tokens": tokens, "end": "end of message" if m.accepting() else "end allowed, not accepting"}
-        tiers = closing.tiers(bool(tokens) and tokens[-1] == vocab.close_id)
+        tiers = closing.tiers(bool(tokens) and tokens[-1] == vocab.close_id, rng)
         token = _pick(rng, allowed[allowed != eos], bitmask, tiers, lean)
         if not m.consume(token):
             return {"tokens": tokens + [token], "end": "an allowed token refused"}
@@ -184,12 +188,22 @@ def check_output(kind: str, tokens: list[int], vocab: Vocabulary, tools: list[gs
     return gs.check_tools(segs, tools) if kind == "tools" else gs.check_think(segs)
 
 
+def failure_kind(reason: str) -> str:
+    """The kind of a check's failure: a special token where text belongs, a marker written as
+    ordinary text (its bytes where the marker belongs), invalid UTF-8, or another."""
+    if reason.startswith("special token") or re.search(r"got '<\|", reason):
+        return "special token inside text"
+    if "got b'<|" in reason or "spelled as text" in reason or re.match(r"tag '.*<\|", reason):
+        return "marker spelled as text"
+    return "invalid UTF-8" if "invalid UTF-8" in reason else "other"
+
+
 def spot_checks(engine: Any, compiled: Any, kind: str, vocab: Vocabulary, tools: list[gs.Tool], walks: int,
                 seed: int) -> dict:
     """`walks` seeded random walks: how many ended, and how many of those parse (with the first
     reasons they did not)."""
     closing, rng = closing_tokens(vocab), random.Random(seed)
-    ended, parsed, failures, ends = 0, 0, [], {}
+    ended, parsed, failures, ends, kinds = 0, 0, [], {}, {}
     for _ in range(walks):
         walk = random_walk(engine, compiled, vocab, closing, rng)
         ends[walk["end"]] = ends.get(walk["end"], 0) + 1
@@ -199,9 +213,12 @@ def spot_checks(engine: Any, compiled: Any, kind: str, vocab: Vocabulary, tools:
         err = check_output(kind, walk["tokens"], vocab, tools)
         if err is None:
             parsed += 1
-        elif len(failures) < 5:
+            continue
+        kinds[failure_kind(err)] = kinds.get(failure_kind(err), 0) + 1
+        if len(failures) < 5:
             failures.append({"reason": err, "text": vocab.tokenizer.decode(walk["tokens"])[-160:]})
-    return {"walks": walks, "ended": ended, "parsed": parsed, "ends": ends, "failures": failures}
+    return {"walks": walks, "ended": ended, "parsed": parsed, "ends": ends, "failure_kinds": kinds,
+            "failures": failures}
 
 
 # ---- markers: never text, never inside text -------------------------------------------------------
