@@ -97,6 +97,17 @@ class LLGuidance:
         self.np = require("llguidance.numpy")
         self.version = self.llg.__version__
         self.tokenizer = self.llg.LLTokenizer(self.llg.TokenizerWrapper(_LLGVocabulary(tok)))
+        self.specials = self._check_specials(tok)
+
+    def _check_specials(self, tok: Tokenizer) -> dict:
+        """What llguidance counts as special: the runtime's special tokens, and besides them only
+        the lone byte 0xFF (a byte-level vocabulary's token 255, which no UTF-8 text holds)."""
+        special = [i for i in range(tok.vocab_size) if self.tokenizer.is_special_token(i)]
+        extra = [i for i in special if not tok.is_special(i)]
+        if any(tok.token_bytes(i) != LLG_SPECIAL for i in extra) or len(special) - len(extra) != \
+                sum(tok.is_special(i) for i in range(tok.vocab_size)):
+            raise SystemExit(f"error: llguidance's special tokens differ from the runtime's: {extra[:8]} ...")
+        return {"count": len(special), "not_special_in_the_runtime": extra}
 
     def grammars(self, lark: dict[str, str], tools: list[gs.Tool]) -> dict[str, str]:
         """Grammar name -> llguidance's grammar text (compiled by `compile`)."""

@@ -40,19 +40,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.graph import cpu_features  # noqa: E402
 
 try:
+    import numpy as np  # noqa: E402
     from bench import grammar_specs as gs  # noqa: E402
     from bench import grammar_walks as gw  # noqa: E402
-    from bench.grammar_engines import LLGuidance, XGrammar  # noqa: E402
+    from bench.grammar_engines import LLGuidance, XGrammar, require  # noqa: E402
     from bench.grammar_sizes import installed_size  # noqa: E402
     from bench.grammar_vocab import Vocabulary, build_vocabulary  # noqa: E402
-except ImportError as e:  # the runtime's tokenizer needs the project's own dependencies (gguf, regex)
+except ImportError as e:  # numpy, and the runtime's tokenizer's own dependencies (gguf, regex, jinja2)
     raise SystemExit(f"error: {e.name} is not installed in this Python; see docs/bench/grammar_libs.md") from None
 
 RESULTS = REPO / "bench" / "results"
@@ -189,6 +188,7 @@ def run(a: argparse.Namespace) -> dict:
     masks = sample_masks(engines[0], compiled[engines[0].name], vocab)
     return {"vocabulary": {"size": vocab.tokenizer.vocab_size, "seed": a.seed, "ranks_by_kind": vocab.counts,
                            "normal_tokens_starting_with_0xff": len(vocab.ff_tokens),
+                           "llguidance_special_tokens": engines[0].specials,
                            "special_ids": {"<|open|>": vocab.open_id, "<|close|>": vocab.close_id,
                                            "<|sep|>": vocab.sep_id, "<|end_of_msg|>": vocab.eos_id}},
             "versions": {e.name: e.version for e in engines}, "tokenizer": tokenizer_times,
@@ -229,6 +229,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="vocabulary, tools, texts and walks")
     ap.add_argument("--json", type=Path, default=RESULTS / "grammar_libs.json")
     a = ap.parse_args()
+    for module in ("llguidance", "xgrammar", "torch"):  # before the vocabulary's few seconds
+        require(module)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "steps": a.steps, "walks": a.walks,
               "threads": a.threads, **run(a)}
     result["machine"]["load_average_end"] = os.getloadavg()
