@@ -97,9 +97,8 @@ class LLGuidance:
         self.np = require("llguidance.numpy")
         self.version = self.llg.__version__
         self.tokenizer = self.llg.LLTokenizer(self.llg.TokenizerWrapper(_LLGVocabulary(tok)))
-        self.specials = self._check_specials(tok)
 
-    def _check_specials(self, tok: Tokenizer) -> dict:
+    def check_specials(self, tok: Tokenizer) -> dict:
         """What llguidance counts as special: the runtime's special tokens, and besides them only
         the lone byte 0xFF (a byte-level vocabulary's token 255, which no UTF-8 text holds)."""
         special = [i for i in range(tok.vocab_size) if self.tokenizer.is_special_token(i)]

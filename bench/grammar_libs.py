@@ -23,7 +23,8 @@ and free text closed by a special-token terminator (K3's think channel). Per lib
               and grammar allow neither;
   apply       setting -inf in a float32 logits row of the vocabulary's size from a bitmask: numpy's
               unpackbits against each library's helper, for a dense and a sparse mask;
-  installed   the size of each library's files and of the dependencies it requires.
+  installed   the size of each library's files and of the dependencies it requires, and the time a
+              fresh Python takes to import it (the tokenizer's time above leaves the import out).
 
 xgrammar also compiles its own way of writing K3 (structural tags, markers as strings).
 Results: bench/results/grammar_libs.json; ratios are xgrammar / llguidance.
@@ -49,7 +50,7 @@ try:
     from bench import grammar_specs as gs  # noqa: E402
     from bench import grammar_walks as gw  # noqa: E402
     from bench.grammar_engines import LLGuidance, XGrammar, require  # noqa: E402
-    from bench.grammar_sizes import installed_size  # noqa: E402
+    from bench.grammar_sizes import import_seconds, installed_size  # noqa: E402
     from bench.grammar_vocab import Vocabulary, build_vocabulary  # noqa: E402
 except ImportError as e:  # numpy, and the runtime's tokenizer's own dependencies (gguf, regex, jinja2)
     raise SystemExit(f"error: {e.name} is not installed in this Python; see docs/bench/grammar_libs.md") from None
@@ -60,7 +61,8 @@ NEG_INF = np.float32(-np.inf)
 
 def build_engines(vocab: Vocabulary, threads: int) -> tuple[list, dict]:
     """llguidance, xgrammar, and xgrammar with dynamic compilation (sharing xgrammar's tokenizer);
-    the time each library takes to build its tokenizer from the runtime's."""
+    the time each library takes to build its tokenizer from the runtime's (the libraries are
+    imported before: torch's import alone takes seconds)."""
     engines, times = [], {}
     for make in (lambda: LLGuidance(vocab.tokenizer), lambda: XGrammar(vocab.tokenizer, threads)):
         w, c = time.perf_counter(), time.process_time()
@@ -176,6 +178,7 @@ def run(a: argparse.Namespace) -> dict:
     print(f"  vocabulary: {vocab.tokenizer.vocab_size} tokens in {time.perf_counter() - w:.1f} s", file=sys.stderr)
     tools = gs.make_tools(a.seed)
     engines, tokenizer_times = build_engines(vocab, a.threads)
+    llg_specials = engines[0].check_specials(vocab.tokenizer)
     specials = [i for i in range(vocab.tokenizer.vocab_size) if vocab.tokenizer.is_special(i)]
     if specials != list(range(specials[0], specials[-1] + 1)):
         raise SystemExit("error: the special tokens are not one run of ids: the token-text grammars name them as one")
@@ -188,13 +191,14 @@ def run(a: argparse.Namespace) -> dict:
     masks = sample_masks(engines[0], compiled[engines[0].name], vocab)
     return {"vocabulary": {"size": vocab.tokenizer.vocab_size, "seed": a.seed, "ranks_by_kind": vocab.counts,
                            "normal_tokens_starting_with_0xff": len(vocab.ff_tokens),
-                           "llguidance_special_tokens": engines[0].specials,
+                           "llguidance_special_tokens": llg_specials,
                            "special_ids": {"<|open|>": vocab.open_id, "<|close|>": vocab.close_id,
                                            "<|sep|>": vocab.sep_id, "<|end_of_msg|>": vocab.eos_id}},
             "versions": {e.name: e.version for e in engines}, "tokenizer": tokenizer_times,
             "grammars": rows, "ratios": ratios(rows),
             "apply": measure_apply(engines[:2], masks, vocab.tokenizer.vocab_size, a.apply_repeats, a.seed),
-            "installed": {e.distribution: installed_size(e.distribution) for e in engines[:2]}}
+            "installed": {e.distribution: {**installed_size(e.distribution), "import_s": import_seconds(e.distribution)}
+                          for e in engines[:2]}}
 
 
 def print_summary(r: dict) -> None:
@@ -216,7 +220,8 @@ def print_summary(r: dict) -> None:
         ways = ", ".join(f"{k[:-3]} {v:.0f} us" for k, v in row.items() if k.endswith("_us"))
         print(f"apply a {density} mask ({row['allowed_tokens']} allowed): {ways}")
     for lib, size in r["installed"].items():
-        print(f"installed {lib}: {size['own_mb']:.1f} MB, with its dependencies {size['with_dependencies_mb']:.0f} MB")
+        print(f"installed {lib}: {size['own_mb']:.1f} MB, with its dependencies {size['with_dependencies_mb']:.0f} MB; "
+              f"import {size['import_s']:.2f} s")
 
 
 def main() -> None:

@@ -1,8 +1,11 @@
 """Installed size of a Python distribution and of the dependencies it requires (extras left out),
-read from the installed metadata: what adding the library to the project's install costs."""
+read from the installed metadata: what adding the library to the project's install costs; and the
+time a fresh Python takes to import it (what it adds to a server's start)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from importlib import metadata
 
 try:
@@ -59,3 +62,11 @@ def installed_size(name: str) -> dict:
     own = sizes.pop(closure[0]) if closure else 0.0
     return {"own_mb": own, "with_dependencies_mb": own + sum(sizes.values()),
             "dependencies_mb": dict(sorted(sizes.items(), key=lambda kv: -kv[1]))}
+
+
+def import_seconds(module: str, repeats: int = 3) -> float:
+    """The least, over `repeats` fresh interpreters, of the time `import module` takes."""
+    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
+    runs = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+            for _ in range(repeats)]
+    return min(runs)
