@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import sys
 import time
