@@ -51,6 +51,9 @@ def _ids(tokenizer: BPETokenizer, texts: tuple[str, ...]) -> list[int]:
     return ids
 
 
+_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+
+
 class Bits:
     """A matcher's mask as llguidance writes it: one bit per token."""
 
@@ -73,7 +76,9 @@ class Bits:
         return int(nz[0]) * 32 + (w & -w).bit_length() - 1
 
     def array(self) -> np.ndarray:
-        return np.unpackbits(self.words.view(np.uint8), bitorder="little", count=self.n).astype(bool)
+        """One bool per token: each mask byte's 8 bits looked up whole (about 3x numpy's unpackbits
+        on 163,840 tokens, bench/grammar_libs.py)."""
+        return _BITS[self.words.view(np.uint8)].reshape(-1)[:self.n]
 
 
 class EndInTime:

@@ -1,12 +1,11 @@
 """The runtime tokenizer as llguidance sees it: every token's bytes, special tokens marked.
 
 llguidance takes a vocabulary as raw token bytes and marks a special token by a leading 0xFF
-byte (which no UTF-8 text starts with). So a special token is given as 0xFF + its name, and an
-ordinary token that itself starts with 0xFF (a raw byte token, or a merge of one) is refused here
-rather than taken for a special one: such a vocabulary would let grammar text match a control
-token. K3's vocabulary (tiktoken's byte-level BPE) has exactly one such token, the single byte
-0xFF, which llguidance's own tiktoken loader also passes as it is: a one-byte 0xFF token is read
-by llguidance as that byte (a special token's marker is followed by its name).
+byte (which no UTF-8 text holds). So a special token is given as 0xFF + its name, and an ordinary
+token of several bytes that itself starts with 0xFF (a merge of the raw byte) is given with 0xFE
+in its place: llguidance would take it for a special token otherwise, and since neither byte is
+ever UTF-8, no grammar's text can tell the two apart (bench/grammar_libs.py measured the trap).
+The single byte 0xFF is passed as it is: llguidance reads a one-byte 0xFF token as that byte.
 
 Built once per tokenizer (about half a second at K3's 163,840 tokens) and shared by every
 request's grammar.
@@ -16,11 +15,10 @@ from __future__ import annotations
 import threading
 import weakref
 
-from gguf_arch.errors import GGUFError
-
 from ..text.tokenizer import BPETokenizer
 
 SPECIAL_MARK = b"\xff"
+STAND_IN = b"\xfe"  # an ordinary token's leading 0xFF, as llguidance is given it
 _cache: "weakref.WeakKeyDictionary[BPETokenizer, object]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -41,8 +39,7 @@ class _Wrapped:
         if tok.is_special(i):
             return SPECIAL_MARK + data
         if data.startswith(SPECIAL_MARK) and len(data) > 1:
-            raise GGUFError(f"token {i} ({data[:16]!r}) starts with byte 0xFF: the grammar engine would take it "
-                            "for a special token")
+            return STAND_IN + data[1:]
         return data
 
     def __call__(self, text: bytes | str) -> list[int]:

@@ -134,3 +134,31 @@ def test_without_allowed_tools_no_tools_section_opens(tok):
     c, logits = Constraint(plan, tok), np.zeros(tok.vocab_size, dtype=np.float32)
     assert plan.ban_open and np.isneginf(c.mask(logits)[tok.special_id(OPEN)])
     assert ConstraintPlan.build(tok, ReplySpec("response")) is not None  # no tools declared: the same guard
+
+
+def test_an_ordinary_token_starting_with_0xff_is_no_special_token_for_the_grammar_engine(tok):
+    from ggml_graph_spec.chat.vocab import STAND_IN, _Wrapped
+
+    class Vocab:  # the tiny vocabulary with one merge that starts with the raw byte 0xFF
+        def __init__(self):
+            self.vocab_size, self.eos_id, self.bos_id = tok.vocab_size, tok.eos_id, tok.bos_id
+
+        def token_bytes(self, i):
+            return b"\xff\x80" if i == 300 else tok.token_bytes(i)
+
+        def is_special(self, i):
+            return tok.is_special(i)
+
+    w = _Wrapped(Vocab())
+    assert w.tokens[300] == STAND_IN + b"\x80" and w.tokens[255] == b"\xff"
+    assert 300 not in w.special_token_ids and all(w.tokens[i].startswith(b"\xff") for i in w.special_token_ids)
+
+
+def test_the_mask_lookup_gives_every_tokens_bit(tok):
+    from ggml_graph_spec.chat.closing import Bits
+
+    b = Bits(tok.vocab_size)
+    rng = np.random.default_rng(3)
+    b.words[:] = rng.integers(-2**31, 2**31, size=b.words.size, dtype=np.int64).astype(np.int32)
+    want = np.unpackbits(b.words.view(np.uint8), bitorder="little", count=tok.vocab_size).astype(bool)
+    assert (b.array() == want).all() and all((t in b) == want[t] for t in range(0, tok.vocab_size, 7))
