@@ -48,7 +48,14 @@ class GrammarError(ValueError):
     """A grammar (a schema, a tool declaration, a grammar text) that cannot be used."""
 
 
-def _limits():
+def first_error_line(error: str) -> str:
+    """llguidance's first line of an error, without its position in the grammar this package wrote
+    around the caller's schema or grammar."""
+    first = next((line for line in error.splitlines() if line.strip()), "")
+    return _POSITION.sub("", first.strip())[:300]
+
+
+def grammar_limits():
     import llguidance
     return llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS, max_lexer_states=MAX_LEXER_STATES,
                                      step_lexer_fuel=STEP_LEXER_FUEL, verbose_errors=False)
@@ -57,11 +64,9 @@ def _limits():
 def compile_grammar(tokenizer: BPETokenizer, grammar: str, what: str):
     """A fresh llguidance matcher of `grammar`; GrammarError naming `what` when it cannot be built."""
     import llguidance
-    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0, limits=_limits())
+    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0, limits=grammar_limits())
     if matcher.is_error():
-        # llguidance's first line, without its position in the grammar this module wrote around it
-        first = next((line for line in matcher.get_error().splitlines() if line.strip()), "")
-        raise GrammarError(f"{what}: {_POSITION.sub('', first.strip())[:300]}")
+        raise GrammarError(f"{what}: {first_error_line(matcher.get_error())}")
     return matcher
 
 

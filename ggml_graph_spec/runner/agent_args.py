@@ -24,7 +24,7 @@ from typing import Any
 from gguf_arch.io.console import UsageError
 from gguf_arch.io.jsonfile import not_unicode, read_json, read_text
 
-from ..chat.constraint import Constraint, ConstraintPlan, GrammarError
+from ..chat.constraint import Constraint, ConstraintPlan, GrammarError, first_error_line
 from ..chat.grammar import JsonSchema, Lark, ReplySpec, Response, text_grammar
 from ..chat.reasoning import EFFORTS, MAX_BUDGET, REASONING_FORMATS
 from ..text.tokenizer import BPETokenizer
@@ -34,7 +34,6 @@ from ..text.tokenizer import BPETokenizer
 REASONING_FLAGS = (("--reasoning-format", "reasoning_format"), ("--reasoning-budget", "reasoning_budget"),
                    ("--reasoning-budget-message", "reasoning_budget_message"), ("-rea/--reasoning", "reasoning"),
                    ("--reasoning-effort", "reasoning_effort"))
-_LOCATION = re.compile(r"^at \d+\(\d+\): ")  # llguidance's position in the wrapped grammar: not the user's text
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ def _gbnf(text: str, where: str) -> Lark:
     try:
         lark = any_to_lark(text)
     except Exception as exc:  # noqa: BLE001 - its converter raises plain exceptions for a bad grammar
-        raise UsageError(f"{where}: not a GBNF grammar: {_first_line(str(exc))}") from None
+        raise UsageError(f"{where}: not a GBNF grammar: {first_error_line(str(exc))}") from None
     return _validated(Lark(lark), where)
 
 
@@ -169,13 +168,8 @@ def _validated(response: JsonSchema | Lark, where: str) -> JsonSchema | Lark:
     import llguidance
     error = llguidance.LLMatcher.validate_grammar(text_grammar(response))
     if error:
-        raise UsageError(f"{where}: {_first_line(error)}")
+        raise UsageError(f"{where}: {first_error_line(error)}")
     return response
-
-
-def _first_line(text: str) -> str:
-    line = next((s for s in text.splitlines() if s.strip()), text)
-    return _LOCATION.sub("", line.strip())[:300]
 
 
 def template_variables(options: ReplyOptions, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..chat.constraint import ConstraintPlan, GrammarError
-from ..chat.grammar import JsonSchema, Lark, ReplySpec, Response
+from ..chat.constraint import ConstraintPlan, GrammarError, first_error_line, grammar_limits
+from ..chat.grammar import JsonSchema, Lark, ReplySpec, Response, text_grammar, tools_grammar
 from ..chat.reasoning import EFFORTS, MAX_BUDGET, REASONING_FORMATS, reply_start
 from ..chat.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from ..text.tokenizer import BPETokenizer
@@ -156,7 +156,21 @@ def agent_kwargs(body: Mapping[str, Any], kwargs: dict, defaults: AgentDefaults)
     if told is not None:
         kwargs.setdefault("response_format", told)
     _reasoning(body, kwargs, defaults)
+    _precheck(tools, choice, response)
     return tools, choice, response
+
+
+def _precheck(tools: list[Tool], choice: ToolChoice, response: Response) -> None:
+    """The response's and the tools' grammars checked before the template renders them: a schema
+    that cannot be used is refused for what it is, whatever the size of its rendering."""
+    import llguidance
+    checks = [("the response format", text_grammar(response))] if response is not None else []
+    if choice.allowed(tools):
+        checks.append(("the tools' schemas", tools_grammar(tools, choice)))
+    for what, grammar in checks:
+        error = llguidance.LLMatcher.validate_grammar(grammar, limits=grammar_limits())
+        if error:
+            raise bad_request(f"{what}: {first_error_line(error)}")
 
 
 def reply_settings(body: Mapping[str, Any], prompt_text: str, tokenizer: BPETokenizer, tools: list[Tool],
