@@ -452,7 +452,22 @@ async function loadProps() {
   $("attach").hidden = !vision;
 }
 
+// Another tab of this page wrote the conversations: take its list, so that this tab's next write
+// keeps them. The conversation shown here stays as this tab has it.
+window.addEventListener("storage", (e) => {
+  if (e.key !== STORE_KEY) return;
+  conversations = loadConversations().map((c) => (c.id === current.id ? current : c));
+  renderList();
+});
+
+// A reasoning budget means nothing without the think channel.
+function thinkingChanged() {
+  $("reasoning_budget").disabled = !$("thinking").checked;
+}
+
 loadSettings();
+thinkingChanged();
+$("thinking").addEventListener("change", thinkingChanged);
 $("api_key").addEventListener("change", loadProps);
 show(conversations.find((c) => c.id === savedCurrentId()) || newConversation());
 loadProps();

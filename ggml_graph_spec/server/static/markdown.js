@@ -19,6 +19,18 @@ markdown.renderer.rules.link_open = (tokens, i, options, env, self) => {
   return renderLinkOpen(tokens, i, options, env, self);
 };
 
+// A table column's alignment as a class (chat.css): the page's policy applies no style attribute.
+for (const rule of ["th_open", "td_open"]) {
+  markdown.renderer.rules[rule] = (tokens, i, options, env, self) => {
+    const style = tokens[i].attrGet("style");  // markdown-it writes "text-align:left|center|right"
+    if (style) {
+      tokens[i].attrs = tokens[i].attrs.filter(([name]) => name !== "style");
+      tokens[i].attrJoin("class", "align-" + style.replace("text-align:", ""));
+    }
+    return self.renderToken(tokens, i, options);
+  };
+}
+
 // Render markdown text into element (its old content replaced); each code block gets a Copy button.
 // The chat page renders every reply through this function, and the tests call it too.
 function renderMarkdown(element, text) {

@@ -176,8 +176,10 @@ def test_markdown_renders_through_the_page_renderer(server, browser):
     _fresh(browser, server)
     html = browser.execute_script(
         "const d = document.createElement('div'); renderMarkdown(d, arguments[0]); return d.innerHTML",
-        "Some **bold** and `x < y`.\n\n```python\nif a < b:\n    print('<b>')\n```\n\n- one\n- two")
+        "Some **bold** and `x < y`.\n\n```python\nif a < b:\n    print('<b>')\n```\n\n- one\n- two\n\n"
+        "| n | name |\n|--:|---|\n| 1 | one |")
     assert "<strong>bold</strong>" in html and "<code>x &lt; y</code>" in html and "<li>one</li>" in html
+    assert '<td class="align-right">1</td>' in html and "style=" not in html  # the page's policy applies no style
     assert '<code class="language-python">if a &lt; b:\n    print(\'&lt;b&gt;\')\n</code>' in html
     unsafe = browser.execute_script(
         "const d = document.createElement('div'); renderMarkdown(d, arguments[0]);"
