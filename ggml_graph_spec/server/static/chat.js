@@ -1,7 +1,7 @@
-// The chat page of kimi-k3-server: conversations (store.js) streamed from /v1/chat/completions,
-// the think channel apart from the answer, replies as markdown (markdown.js), and images when the
-// server has a vision encoder (/props). No build step and nothing from elsewhere: index.html,
-// chat.css, these scripts and the vendored markdown-it are all of it.
+// The chat page of kimi-k3-server: conversations (store.js) whose replies stream from
+// /v1/chat/completions (stream.js), the think channel apart from the answer, replies as markdown
+// (markdown.js), and images when the server has a vision encoder (/props). No build step and
+// nothing from elsewhere: index.html, chat.css, these scripts and the vendored markdown-it are all.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -191,7 +191,8 @@ function renderAttachments() {
 function persist(conversation) {
   conversation.title = titleOf(conversation);
   conversation.updated = Date.now();
-  if (conversation.messages.length && !conversations.includes(conversation)) conversations.unshift(conversation);
+  const keep = conversation.messages.length && !conversation.deleted;  // a reply stopped by a delete stays gone
+  if (keep && !conversations.includes(conversation)) conversations.unshift(conversation);
   conversations.sort((a, b) => b.updated - a.updated);
   save();
 }
@@ -221,6 +222,7 @@ function switchTo(conversation) {
 }
 
 function deleteConversation(conversation) {
+  conversation.deleted = true;
   conversations = conversations.filter((c) => c !== conversation);
   if (conversation === current) {
     stopReply();
@@ -245,6 +247,7 @@ function startEdit(index) {
   area.className = "edit";
   area.value = textOf(message.content);
   const resend = () => {
+    if (!area.value.trim() && !imagesOf(message.content).length) return;
     current.messages = current.messages.slice(0, index);  // what came after it was an answer to the old text
     current.messages.push({ role: "user", content: userContent(area.value, imagesOf(message.content)) });
     persist(current);
@@ -272,62 +275,7 @@ function regenerate() {
   generate(current);
 }
 
-// ---- the stream -----------------------------------------------------------------------------
-
-// Server-sent events from a fetch body: "data: {...}" lines, events split by a blank line.
-async function* events(response) {
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer += decoder.decode(value, { stream: true });
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = block.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
-      if (data === "[DONE]") return;
-      if (data) yield JSON.parse(data);
-    }
-  }
-}
-
-async function errorText(response) {
-  try {
-    const body = await response.json();
-    return body.error ? body.error.message : response.statusText;
-  } catch (_) {
-    return response.status + " " + response.statusText;
-  }
-}
-
-// Streams the reply to `messages` into `reply` (so that a stopped reply keeps what came).
-async function streamReply(messages, reply, changed, signal) {
-  const response = await fetch("/v1/chat/completions", {
-    method: "POST", headers: headers(), body: JSON.stringify(requestBody(messages)), signal });
-  if (!response.ok) throw new Error(await errorText(response));
-  for await (const event of events(response)) {
-    if (event.error) throw new Error(event.error.message);
-    if (event.usage) reply.usage = event.usage;
-    if (event.timings) reply.timings = event.timings;
-    for (const choice of event.choices || []) {
-      const delta = choice.delta || {};
-      reply.reasoning += delta.reasoning_content || "";
-      reply.content += delta.content || "";
-      if (delta.reasoning_content || delta.content) changed();
-    }
-  }
-}
-
-function timingNote(reply) {
-  const t = reply.timings;
-  if (!t) return "";
-  const cached = reply.usage ? reply.usage.prompt_tokens_details.cached_tokens : t.cache_n;
-  return `${t.predicted_n} tokens, ${t.predicted_per_second.toFixed(2)} tokens/s; ` +
-         `prompt ${t.prompt_n} tokens (${cached} from the cache)`;
-}
+// ---- a reply ----------------------------------------------------------------------------------
 
 function busy(on) {
   $("send").disabled = on;
@@ -358,8 +306,8 @@ async function generate(conversation) {
   busy(true);
   let message = null;
   try {
-    await streamReply(conversation.messages, reply, () => { frame = frame || requestAnimationFrame(draw); },
-                      controller.signal);
+    await streamReply(requestBody(conversation.messages), headers(), reply,
+                      () => { frame = frame || requestAnimationFrame(draw); }, controller.signal);
     message = { role: "assistant", content: reply.content, reasoning: reply.reasoning, state: "done",
                 note: timingNote(reply) };
   } catch (err) {

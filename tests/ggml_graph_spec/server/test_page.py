@@ -293,6 +293,14 @@ def test_conversations_are_kept_over_a_reload(server, browser):
     _css(browser, "#chat-list li[aria-current] .delete")[0].click()
     assert [e.text for e in _css(browser, "#chat-list .open")] == ["The second conversation"]
     assert not _css(browser, ".message")
+    server.gate.close()  # a conversation deleted while its reply comes stays deleted
+    _send(browser, "Soon deleted")
+    job = _running_job(server)
+    _css(browser, "#chat-list li[aria-current] .delete")[0].click()
+    _until(browser, lambda b: _css(b, "#send")[0].is_enabled(), "the page to end the reply")
+    server.gate.open()
+    wait_for(job.cancel_requested.is_set, "the server to see the stop")
+    wait_for(server.idle, "the slot to be freed")
     browser.refresh()
     assert [e.text for e in _css(browser, "#chat-list .open")] == ["The second conversation"]
 
