@@ -4,7 +4,7 @@
     POST /v1/responses (OpenAI's Responses)   POST /v1/messages, /v1/messages/count_tokens (Anthropic's)
     POST /apply-template   POST /v1/chat/completions/input_tokens
     GET /metrics   GET /slots   POST /slots/{id}?action=save|restore|erase   GET /props
-    POST /tokenize   POST /detokenize   GET / (the chat page)
+    POST /tokenize   POST /detokenize   GET / (the chat page)   GET /favicon.ico
 
 Handlers never touch the model: they check and tokenize a request (in a worker thread), hand a
 job to the engine thread (engine.py) and relay what it posts back, whole or as server-sent events.
@@ -75,15 +75,18 @@ class Server:
         return await http.read_json(request, self.settings.max_body, self.settings.timeout)
 
 
-def model_props(model, api_key_required: bool, template_where: str, template_text: str = "") -> dict:
+def model_props(model, api_key_required: bool, template_where: str, template_text: str = "",
+                vision: bool = False) -> dict:
     """/props (and the `meta` of /v1/models): the slots, the context of each, the model, the chat
-    template's text (llama-server's `chat_template`) and where it came from."""
+    template's text (llama-server's `chat_template`) and where it came from, and what a message may
+    hold besides text (llama-server's `modalities`: images with --mmproj)."""
     stat = model.weights.path.stat()
     meta = {"n_vocab": model.cfg.vocab_size, "n_ctx_train": model.cfg.context_length, "n_ctx": model.n_ctx,
             "size": stat.st_size, "created": int(stat.st_mtime)}
     return {"total_slots": model.n_seq, "model_path": str(model.weights.path), "chat_template": template_text,
             "chat_template_source": template_where,
-            "api_key_required": api_key_required, "meta": meta, "default_generation_settings": {"n_ctx": model.n_ctx}}
+            "api_key_required": api_key_required, "meta": meta, "default_generation_settings": {"n_ctx": model.n_ctx},
+            "modalities": {"vision": vision, "audio": False}}
 
 
 def build_app(server: Server) -> Any:
@@ -104,6 +107,10 @@ def _info_routes(app: FastAPI, server: Server) -> None:
     @app.get("/")
     async def page() -> Response:
         return FileResponse(STATIC / "index.html")
+
+    @app.get("/favicon.ico")
+    async def favicon() -> Response:  # what browsers ask for when a page names no icon
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
     @app.get("/health")
     @app.get("/v1/health")

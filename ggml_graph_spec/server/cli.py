@@ -195,7 +195,8 @@ def start_engine(model: Model, service: Service, a: argparse.Namespace) -> Engin
         check_encoder(model, encoder)
     engine = Engine(model, queue_size=a.queue, checkpoints=a.ctx_checkpoints, prefill_chunk=a.batch_size,
                     slot_files=files, log=service.server.log)
-    service.attach(engine, template, model_props(model, a.api_key is not None, where, template.text))
+    service.attach(engine, template, model_props(model, a.api_key is not None, where, template.text,
+                                                 vision=a.mmproj is not None))
     service.server.log(where)
     return engine
 
