@@ -125,12 +125,6 @@ def parse_tool_choice(value: Any, tools: Sequence[Tool], parallel: bool = True,
     return ToolChoice("named", name, parallel)
 
 
-def declarations(tools: Sequence[Tool], raw: Any) -> list[dict]:
-    """The tools as the chat template is given them: the request's own objects (every field the
-    client wrote is part of the declaration the model reads)."""
-    return list(raw) if tools else []
-
-
 def dumps(value: Any) -> str:
     """JSON as the arguments of a tool call are written: compact, non-ASCII kept."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

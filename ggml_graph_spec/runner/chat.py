@@ -46,7 +46,7 @@ from ..generation.events import Reply, StopRules, Timings
 from ..generation.generate import GenerationError, check_fits, generate
 from ..generation.media import media_runs, plan_media
 from ..generation.sampling import Sampler
-from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, ReplyFilter, reserved_kwargs  # noqa: F401 (its callers' name)
+from ..text.chat_template import RESERVED_KWARGS, ChatTemplate, reserved_kwargs
 from ..text.tokenizer import BPETokenizer
 from ..vision.encode import VisionEncoder
 from ..vision.preprocess import MediaItem

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from gguf_arch.arch import xtml
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
 from gguf_arch.arch.template_sandbox import compile_template, render
 from gguf_arch.io.console import UsageError
@@ -16,8 +15,6 @@ from .tokenizer import BPETokenizer
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # K3's XTML markup: what lies between an opening or closing token and the next <|sep|> is a tag
 # name and attributes, not text of the reply.
-_TAG_START = (xtml.OPEN, xtml.CLOSE)
-_TAG_END = xtml.SEP
 
 
 # The variables every rendering gets from the model and the caller: a template kwarg of the same
@@ -108,21 +105,3 @@ def encode_marked(text: str, tokenizer: BPETokenizer) -> list[int]:
 
 def unmark(text: str) -> str:
     return text.replace(MARK_START, "").replace(MARK_END, "")
-
-
-class ReplyFilter:
-    """Which tokens of a chat reply are shown: no special tokens, no XTML tag names or attributes."""
-
-    def __init__(self, tokenizer: BPETokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._starts = {i for i in map(tokenizer.special_id, _TAG_START) if i is not None}
-        self._end = tokenizer.special_id(_TAG_END)
-        self._in_tag = False
-
-    def __call__(self, token: int) -> bool:
-        if token in self._starts:
-            self._in_tag = True
-        elif token == self._end:
-            self._in_tag = False
-            return False
-        return not (self._in_tag or self._tokenizer.is_special(token))

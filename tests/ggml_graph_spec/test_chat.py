@@ -9,7 +9,8 @@ import pytest
 
 from gguf_arch.arch.chat_template import K3_CHAT_TEMPLATE
 from ggml_graph_spec.runner.chat import Conversation, LineReader
-from ggml_graph_spec.text.chat_template import ChatTemplate, ReplyFilter
+from ggml_graph_spec.text.chat_template import ChatTemplate
+from tests.support.reply_filter import ReplyFilter
 from ggml_graph_spec.generation.events import StopRules, Timings
 from ggml_graph_spec.runner.interrupt import Interrupt
 from ggml_graph_spec.engine.model import Model

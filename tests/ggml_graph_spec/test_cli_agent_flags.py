@@ -21,7 +21,8 @@ from ggml_graph_spec.generation.events import StopRules
 from ggml_graph_spec.generation.generate import generate
 from ggml_graph_spec.generation.sampling import Sampler, SamplingParams
 from ggml_graph_spec.runner.cli import main
-from ggml_graph_spec.text.chat_template import ChatTemplate, ReplyFilter
+from ggml_graph_spec.text.chat_template import ChatTemplate
+from tests.support.reply_filter import ReplyFilter
 from tests.support.cli import NO_GGML
 from tests.support.paths import REPO
 

@@ -18,7 +18,8 @@ from PIL import Image
 from gguf_arch.errors import EXIT_BAD_INPUT
 from ggml_graph_spec.server.errors import ApiError
 from ggml_graph_spec.server.protocol import chat_prompt
-from ggml_graph_spec.text.chat_template import ChatTemplate, ReplyFilter
+from ggml_graph_spec.text.chat_template import ChatTemplate
+from tests.support.reply_filter import ReplyFilter
 from ggml_graph_spec.text.tokenizer import BPETokenizer
 
 from tests.ggml_graph_spec.vision.conftest import files

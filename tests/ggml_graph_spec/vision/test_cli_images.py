@@ -17,7 +17,8 @@ from gguf_arch.errors import EXIT_BAD_INPUT
 from ggml_graph_spec.engine.model import Model
 from ggml_graph_spec.generation.events import StopRules, Timings
 from ggml_graph_spec.generation.sampling import Sampler, SamplingParams
-from ggml_graph_spec.runner.chat import Conversation, ReplyFilter
+from ggml_graph_spec.runner.chat import Conversation
+from tests.support.reply_filter import ReplyFilter
 from ggml_graph_spec.runner.cli import main
 from ggml_graph_spec.text.chat_template import ChatTemplate
 from ggml_graph_spec.text.tokenizer import BPETokenizer
