@@ -57,7 +57,7 @@ if [ ! -f "$DEMO_STAMP" ]; then
     touch "$DEMO_STAMP"
 fi
 if [ "$LEVEL" = test ] && [ ! -f "$TEST_STAMP" ]; then
-    echo "setup: completing .venv for the tests (about 5 minutes the first time on 2 cores, then llama.cpp's tools)" >&2
+    echo "setup: the tests need more than the demo: completing .venv (about 5 minutes the first time on 2 cores)" >&2
     # torch==2.13.0 is pinned in the test extra: that version installs the CPU build from local disk.
     # llama-cpp-python builds llama.cpp from its sdist the first time; pip caches that wheel.
     setup_step extras "installing the test, interop and server extras: torch (CPU), llama-cpp-python (llama.cpp is compiled: about 5 minutes the first time, seconds once pip has cached it), the clients the tests drive" -- \
