@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The README's main job: generate a tiny Kimi-K3.1-Pro checkpoint in the released on-disk format,
-# convert it to GGUF and inspect the result. Idempotent: every step replaces its previous output.
+# convert it to GGUF, inspect the result and run it on the ggml graph. Idempotent: every step
+# replaces its previous output.
 #   bash scripts/demo.sh [OUT_DIR]     (default: out/ in the repository root)
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+# Only what converting and running need: the tests' extras and llama.cpp's tools come with test.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" demo
 cd "$ROOT"
 
 OUT="${1:-out}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command of README.md: set up .venv if needed, then run the whole suite.
+# The test command of README.md: set up .venv for the tests if needed (completing a demo-only one),
+# then run the whole suite.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" test
 cd "$ROOT"
 exec python -m pytest -q "$@"

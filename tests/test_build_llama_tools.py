@@ -4,12 +4,21 @@ the tools it makes are exercised by tests/interop.)"""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 from tests.support.paths import REPO
 
 SCRIPT = REPO / "scripts" / "build_llama_tools.sh"
-TOOLS = ("llama-cli", "llama-completion", "llama-perplexity", "llama-imatrix", "llama-quantize", "llama-gguf-split")
+
+
+def _listed(name: str) -> list[str]:
+    """A bash array of the script (LLAMA_TOOLS, LLAMA_FILES): what a finished build holds."""
+    return re.search(rf"^{name}=\(([^)]*)\)", SCRIPT.read_text(), re.M).group(1).split()
+
+
+TOOLS = _listed("LLAMA_TOOLS")
+FILES = _listed("LLAMA_FILES")
 
 
 def _run(tmp_path, python: str) -> subprocess.CompletedProcess:
@@ -23,6 +32,10 @@ def _python_that_fails(tmp_path) -> str:
     fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\necho "ERROR: no network" >&2\nexit 1\n')
     fake.chmod(0o755)
     return str(fake)
+
+
+def test_the_lists_are_read():
+    assert "llama-cli" in TOOLS and "llama-server" in TOOLS and "models/templates/Kimi-K3.jinja" in FILES
 
 
 def test_a_failed_build_says_why_and_leaves_nothing_behind(tmp_path):
@@ -46,6 +59,9 @@ def test_a_finished_build_is_reused_without_building(tmp_path):
         path = f"{dest}/bin/{tool}"
         open(path, "w").close()
         os.chmod(path, 0o755)
+    for file in FILES:
+        os.makedirs(os.path.dirname(f"{dest}/share/{file}"), exist_ok=True)
+        open(f"{dest}/share/{file}", "w").close()
     r = _run(tmp_path, _python_that_fails(tmp_path))
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{dest}/bin\n", "")
     assert not (tmp_path / "calls").exists()  # pip never ran
