@@ -4,10 +4,14 @@ is steered to a valid end instead of being cut mid-structure.
 While the room left is at most MAX_LOOKAHEAD tokens, each step looks ahead on a copy of the
 matcher: how many tokens the closing policy takes from here to the grammar's end (`shortest`).
 The closing policy takes what the grammar forces (llguidance's canonical tokens of a required
-name, say), else the first allowed of CLOSERS, else the lowest allowed id (a single byte). Then:
+name, say), else the first allowed of CLOSERS, else the lowest allowed id that is not whitespace
+(a single byte; JSON's optional blanks are the lowest ids and would fill the way), else the lowest
+allowed. Then:
 
-* once the room is down to that count (and SLACK), every token is the closing policy's own, and
-  the weights choose only where it has no token (text the grammar requires but does not spell);
+* once the room is down to that count (and SLACK), every token is the closing policy's own, the
+  very way the look-ahead counted: text the grammar requires but does not spell is its lowest
+  allowed token too (a pattern's smallest character, say), since the weights could repeat an
+  unbounded part (`[a-z]+` before a required `@`) past any room;
 * before that, an allowed token of OPENERS (`<|open|>`, `{`, `[`, `,`, `"`) that would make the
   end unreachable in the room left is not allowed: a new call or object is started only if it
   can still be finished.
@@ -65,12 +69,21 @@ class Bits:
     def __contains__(self, token: int) -> bool:
         return bool((int(self.words[token >> 5]) >> (token & 31)) & 1)
 
-    def lowest(self) -> int | None:
-        nz = np.flatnonzero(self.words)
+    def lowest(self, skip: "Bits | None" = None) -> int | None:
+        """The lowest allowed id, one of `skip`'s only when every allowed token is."""
+        words = self.words if skip is None else self.words & ~skip.words
+        nz = np.flatnonzero(words)
         if not nz.size:
-            return None
-        w = int(self.words[nz[0]]) & 0xFFFFFFFF
+            return None if skip is None else self.lowest()
+        w = int(words[nz[0]]) & 0xFFFFFFFF
         return int(nz[0]) * 32 + (w & -w).bit_length() - 1
+
+    @classmethod
+    def of(cls, n: int, ids) -> "Bits":
+        bits = cls(n)
+        ids = np.asarray(ids, dtype=np.int64)
+        np.bitwise_or.at(bits.words.view(np.uint32), ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+        return bits
 
     def array(self) -> np.ndarray:
         """One bool per token, by numpy's unpackbits: at 163,840 tokens about 16 us, where looking
@@ -83,29 +96,27 @@ class EndInTime:
         self._closers = _ids(tokenizer, CLOSERS)
         self._openers = _ids(tokenizer, OPENERS)
         self._eos = tokenizer.eos_id
+        self._blank = Bits.of(n_vocab, tokenizer.blank_ids)
         self._scratch = Bits(n_vocab)
         self.closing = False  # steered to the end (sticky)
         self._skip = 0  # steps before the next look-ahead
         self._jump = 0  # the most one token has been seen to add to the way's length
 
-    def policy(self, matcher, bits: Bits) -> int | None:
-        """The closing policy's token in the matcher's state (bits: its mask); None: none."""
+    def policy(self, matcher, bits: Bits | None = None) -> int | None:
+        """The closing policy's token in the matcher's state: what the grammar forces, else the
+        first allowed of CLOSERS, else the lowest allowed id, not a blank where another is allowed
+        (None: no token is allowed). `bits`
+        is the state's mask when the caller has it; else it is computed only where the grammar
+        forces no token (the answer does not depend on it there): the look-ahead's way takes
+        2-4x fewer masks. Its time is mostly its steps' own (consume, the copies), not the masks
+        (bench/agents.py)."""
         forced = matcher.compute_ff_tokens()
         if forced:
             return forced[0]
-        return next((t for t in self._closers if t in bits), None)
-
-    def _way(self, matcher) -> int | None:
-        """The next token of the way to the end: the closing policy's, else the lowest allowed.
-        The mask is computed only where the grammar forces no token (the policy's answer does
-        not depend on it there): the same way with 2-4x fewer masks. The look-ahead's time is
-        mostly its steps' own (consume, the copies), not the masks (bench/agents.py)."""
-        forced = matcher.compute_ff_tokens()
-        if forced:
-            return forced[0]
-        bits = self._scratch.fill(matcher)
+        if bits is None:
+            bits = self._scratch.fill(matcher)
         choice = next((t for t in self._closers if t in bits), None)
-        return bits.lowest() if choice is None else choice
+        return bits.lowest(skip=self._blank) if choice is None else choice
 
     def shortest(self, matcher, cap: int, first: int | None = None) -> int:
         """Tokens from here (after `first`, counted, when given) to the grammar's end by the
@@ -118,7 +129,7 @@ class EndInTime:
         while n < cap:
             if shadow.is_stopped() or shadow.is_error():
                 return n
-            choice = self._way(shadow)
+            choice = self.policy(shadow)
             if choice is None:
                 return n
             n += 1

@@ -85,6 +85,29 @@ def test_a_json_schema_reply_ends_valid_within_the_limit(tok, seed, room):
     jsonschema.validate(json.loads(parsed(tok, "response", tokens).content), SCHEMA)
 
 
+EMAIL = {"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}},
+         "required": ["email"]}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("room", [40, 120])
+def test_an_unbounded_part_before_a_required_literal_still_ends_in_time(tok, seed, room):
+    """Near the limit the steered reply takes the way the look-ahead counted, even where the
+    grammar spells nothing: a model that writes letters forever inside `[a-z]+` (before the
+    pattern's required `@`) is not left to choose there, or it never reaches the `@`."""
+    letters = np.array([not tok.is_special(i) and tok.token_bytes(i).isalpha() and tok.token_bytes(i).islower()
+                        for i in range(tok.vocab_size)])
+    rng = np.random.default_rng(seed)
+    c, out = Constraint(ConstraintPlan.build(tok, ReplySpec("response", response=JsonSchema(EMAIL))), tok), []
+    while len(out) < room and (not out or out[-1] != tok.eos_id):
+        logits = (rng.normal(size=tok.vocab_size) + 12.0 * letters).astype(np.float32)
+        t = int(np.argmax(c.mask(logits, room - len(out))))
+        c.accept(t)
+        out.append(t)
+    assert out[-1] == tok.eos_id and not c.error, tok.decode(out)
+    jsonschema.validate(json.loads(parsed(tok, "response", out).content), EMAIL)
+
+
 def test_the_reasoning_budget_closes_the_think_channel_after_its_tokens(tok):
     plan = ConstraintPlan.build(tok, ReplySpec("think"), budget=5)
     c, rng = Constraint(plan, tok), np.random.default_rng(0)
