@@ -55,12 +55,11 @@ class Range:
             raise bad_request(f"'{name}' must be {self._span(value)}, got {value}")
 
     def _span(self, value: float) -> str:
-        ceiling = self.high in (INT64_MAX, UINT64_MAX, FLOAT32_MAX)
+        ceiling = self.high in (INT64_MAX, FLOAT32_MAX)  # the type's bound, not the field's: named as such
         if ceiling and value <= self.low:  # the message of the side the value is on
             return f"> {self.low}" if self.open_low else f">= {self.low}"
         if ceiling:
-            return f"<= {self.high}" + (" (int64)" if self.high == INT64_MAX else
-                                        " (uint64)" if self.high == UINT64_MAX else " (float32's largest)")
+            return f"<= {self.high}" + (" (int64)" if self.high == INT64_MAX else " (float32's largest)")
         return f"in [{self.low}, {self.high}]"
 
     def describe(self) -> str:

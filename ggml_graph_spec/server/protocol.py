@@ -227,8 +227,10 @@ def completion_prompt(body: Mapping[str, Any], tokenizer: BPETokenizer) -> list[
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = token_ids(prompt, "prompt", tokenizer.vocab_size)
-    elif isinstance(prompt, list):
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request("'prompt' holds several prompts: this server takes one per request")
+    elif isinstance(prompt, list):
+        raise bad_request("'prompt' must be a string or a list of token ids (integers)")
     else:
         raise bad_request("'prompt' is required: a string or a list of token ids")
     if not ids:
