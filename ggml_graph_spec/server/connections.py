@@ -11,16 +11,19 @@ protocol, with two limits uvicorn does not have):
   application; past twice as many it is closed at once, so that file descriptors stay for the
   connections being served.
 
-uvicorn's `limit_concurrency` would answer a plain-text 503; this answers in the API's shape.
+uvicorn's `limit_concurrency` would answer a plain-text 503; this answers in the API's shape, and
+so is a request h11 cannot parse (a Content-Length that is no number, a body longer than it said
+whose rest is no request, a line past 16 KiB of headers): a 400 error object, then the close.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import unavailable
+from .errors import bad_request, unavailable
 from .http import error_response
 
 
@@ -73,6 +76,17 @@ class BoundedH11(H11Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what h11 cannot parse, as OpenAI's error object."""
+        body = json.dumps(bad_request(f"not a valid HTTP request ({msg.rstrip('.')})").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # a response had begun on this connection: only the close is left
+            pass
+        self.transport.close()
 
     def _expired(self) -> None:
         self._deadline = None

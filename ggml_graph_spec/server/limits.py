@@ -39,18 +39,24 @@ class Range:
     integer: bool
     meaning: str = ""  # what the edges and the special values mean
     open_low: bool = False  # low itself is out of range
+    excluded: tuple[int, ...] = ()  # values inside [low, high] that are not in the range
 
     def schema(self) -> dict:
         """The JSON schema of the field's value."""
         out: dict = {"type": "integer" if self.integer else "number", "maximum": self.high}
         out["exclusiveMinimum" if self.open_low else "minimum"] = self.low
+        if self.excluded:
+            out["not"] = {"enum": list(self.excluded)}
         return out
 
     def holds(self, value: float) -> bool:
-        return (value > self.low if self.open_low else value >= self.low) and value <= self.high
+        return (value > self.low if self.open_low else value >= self.low) and value <= self.high and \
+            value not in self.excluded
 
     def check(self, name: str, value: float) -> None:
         """400 naming the field and its range unless `value` is in it."""
+        if value in self.excluded:
+            raise bad_request(f"'{name}' may not be {value}: {self.meaning}")
         if not self.holds(value):
             raise bad_request(f"'{name}' must be {self._span(value)}, got {value}")
 
@@ -63,7 +69,7 @@ class Range:
         return f"in [{self.low}, {self.high}]"
 
     def describe(self) -> str:
-        low = f"({self.low}" if self.open_low else f"[{self.low}"
+        low = f"({_show(self.low)}" if self.open_low else f"[{_show(self.low)}"
         return f"{'integer' if self.integer else 'number'} in {low}, {_show(self.high)}]"
 
 
@@ -72,10 +78,11 @@ def _show(x: float) -> str:
 
 
 def _tokens(meaning: str) -> Range:
-    return Range(-1, INT64_MAX, True, meaning)
+    return Range(-1, INT64_MAX, True, meaning, excluded=(0,))
 
 
-_LIMIT = "-1: until the context is full; past the slot's context: until it is full (finish_reason length); 0 refused"
+_LIMIT = "at least 1, or -1: until the context is full; past the slot's context: until it is full (finish_reason " \
+         "length)"
 RANGES: dict[str, Range] = {
     "temperature": Range(0.0, FLOAT32_MAX, False, "0: greedy; 1e-30 as good as greedy, 1e30 as uniform"),
     "top_p": Range(0.0, 1.0, False, "1: off"),
@@ -90,7 +97,7 @@ RANGES: dict[str, Range] = {
     "max_tokens": _tokens(_LIMIT),
     "max_completion_tokens": _tokens(_LIMIT),
     "n_predict": _tokens(_LIMIT),
-    "max_output_tokens": Range(1, INT64_MAX, True, "past the slot's context: until it is full (incomplete)"),
+    "max_output_tokens": Range(1, INT64_MAX, True, "past the slot's context: until it is full (status incomplete)"),
     "top_logprobs": Range(0, MAX_TOP_LOGPROBS, True, "alternatives per token"),
     "logprobs": Range(0, MAX_TOP_LOGPROBS, True, "/v1/completions: alternatives per token (chat: true/false)"),
     "n": Range(1, 1, True, "one choice per request"),

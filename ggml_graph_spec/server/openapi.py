@@ -96,7 +96,7 @@ BLOCK = _one(TEXT_PART, _obj(("type", "id", "name", "input"), type=_enum("tool_u
 MESSAGES_VALUES = {
     "messages": _array(_obj(("role", "content"), role=_enum("user", "assistant"), content=_one(STRING, _array(BLOCK))),
                        min_items=1),
-    "system": _one(STRING, _array(TEXT_PART)), "max_tokens": RANGES["max_output_tokens"].schema(),
+    "system": _one(STRING, _array(TEXT_PART)),
     "stop_sequences": _array({"type": "string", "minLength": 1}, 16),
     "tools": _array(_obj(("name", "input_schema"), name=STRING, description=STRING, input_schema=PARAMETERS)),
     "tool_choice": _one(_obj(("type",), type=_enum("auto", "any", "none"), disable_parallel_tool_use=BOOL),

@@ -157,10 +157,8 @@ def _max_tokens(body: Mapping[str, Any], default: int = -1) -> int:
     -n); -1: no limit but the context. Any size is taken: the slot's context clamps it
     (finish_reason "length")."""
     for name in ("max_completion_tokens", "max_tokens", "n_predict"):
-        value = _integer(body, name, None)
+        value = _integer(body, name, None)  # 0 is refused by its range
         if value is not None:
-            if value == 0:
-                raise bad_request(f"'{name}' must be >= 1 (or -1: until the context is full), got 0")
             return value
     return default
 
