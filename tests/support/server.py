@@ -126,6 +126,10 @@ class LogRecords(logging.Handler):
         for name in self.NAMES:
             logging.getLogger(name).removeHandler(self)
 
+    def tracebacks(self) -> list[str]:
+        """The records that carry a traceback or span lines (a warning of one line is no fault)."""
+        return [line for r, line in zip(self.records, self.lines()) if r.exc_info or "\n" in line]
+
     def lines(self) -> list[str]:
         """Each record as it would print, its traceback included."""
         return [logging.Formatter("%(name)s %(levelname)s %(message)s").format(r) for r in self.records]
