@@ -57,7 +57,7 @@ RESPONSE_FORMAT = _one(_obj(("type",), type=_enum("text", "json_object")),
 LOGIT_BIAS = _one({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,6}$"},
                    "additionalProperties": RANGES["logit_bias"].schema()},
                   _array(_array(_one(TOKEN, RANGES["logit_bias"].schema()), 2, 2)))
-STOP = _one(STRING, _array({"type": "string", "minLength": 1}, 16))
+STOP = _one({"type": "string", "minLength": 1}, _array({"type": "string", "minLength": 1}, 16))
 
 COMMON: dict[str, dict] = {
     "logit_bias": LOGIT_BIAS, "ignore_eos": BOOL, "stop": STOP, "cache_prompt": BOOL, "stream": BOOL,

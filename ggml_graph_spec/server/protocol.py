@@ -84,8 +84,13 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
 
 
 def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | None:
-    """An integer field in its range (limits.py); absent: `default`, taken as it is."""
-    value = get_field(body, name, (int,), "an integer", _UNSET)
+    """An integer field in its range (limits.py); absent: `default`, taken as it is. An integral
+    number written as a float (4.0) is that integer, as JSON Schema and OpenAI's API read it."""
+    value = get_field(body, name, (int, float), "an integer", _UNSET)
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise bad_request(f"'{name}' must be an integer, got float {_show(value)}")
+        value = int(value)
     return default if value is _UNSET else integer(name, value)
 
 

@@ -63,6 +63,14 @@ def test_repeat_last_n_minus_one_or_past_any_context_is_the_whole_context(value,
     Sampler(_gen(repeat_last_n=value).sampling).accept([1, 2, 3])  # a deque the platform can hold
 
 
+def test_an_integral_float_is_its_integer_and_any_other_float_a_400():
+    """4.0 is an integer to JSON Schema (and OpenAI's API): the fuzzer writes such, clients too."""
+    assert _gen(max_tokens=4.0, top_k=40.0).max_tokens == 4
+    assert "'top_k' must be an integer, got float 1.5" in _refused(top_k=1.5)
+    assert "'seed' must be in" in _refused(seed=1e300)
+    assert "'repeat_last_n' must be an integer" in _refused(repeat_last_n=float("nan"))
+
+
 def test_counts_up_to_int64_are_taken_and_clamped_later():
     r = _gen(top_k=2**63 - 1, max_tokens=2**63 - 1, seed=2**64 - 1)
     assert r.sampling.top_k == 2**63 - 1 and r.max_tokens == 2**63 - 1 and r.sampling.seed == 2**64 - 1
