@@ -70,11 +70,13 @@ class Range:
 
     def describe(self) -> str:
         low = f"({_show(self.low)}" if self.open_low else f"[{_show(self.low)}"
-        return f"{'integer' if self.integer else 'number'} in {low}, {_show(self.high)}]"
+        but = f", not {', '.join(map(str, self.excluded))}" if self.excluded else ""
+        return f"{'integer' if self.integer else 'number'} in {low}, {_show(self.high)}]{but}"
 
 
 def _show(x: float) -> str:
-    return {INT64_MAX: "2^63-1", UINT64_MAX: "2^64-1", FLOAT32_MAX: "3.4e38"}.get(x, f"{x:g}")
+    named = {INT64_MAX: "2^63-1", UINT64_MAX: "2^64-1", FLOAT32_MAX: "3.4e38"}
+    return named.get(x, str(x) if isinstance(x, int) else f"{x:g}")
 
 
 def _tokens(meaning: str) -> Range:
