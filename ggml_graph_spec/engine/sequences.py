@@ -3,11 +3,13 @@
 format of a saved state is engine/state.py's."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
 from gguf_arch.io.atomic import write_atomically
+from gguf_arch.io.jsonfile import open_regular
 
 from . import state as st
 from .inputs import EvalError
@@ -57,12 +59,24 @@ class Sequences:
         return len(data)
 
     def state_load(self, seq: int, path: Path | str) -> int:
-        """Restore sequence seq from a file written by state_save; the tokens it holds."""
+        """Restore sequence seq from a file written by state_save; the tokens it holds. A FIFO or
+        a directory under the name is refused without waiting on it, a file larger than any state
+        of this context before it is read."""
         try:
-            data = Path(path).read_bytes()
+            with open(open_regular(Path(path)), "rb") as f:
+                size, most = os.fstat(f.fileno()).st_size, self._most_state_bytes()
+                if size > most:
+                    raise st.StateError(f"{path}: {size} bytes, more than any sequence state of this context "
+                                        f"({most})")
+                data = f.read()
         except OSError as exc:
             raise st.StateError(f"{path}: cannot read the sequence state ({exc.strerror or exc})") from None
         return self.state_set(seq, data, str(path))
+
+    def _most_state_bytes(self) -> int:
+        """An upper bound of state_get's size in this context (its header's JSON given 1 MiB)."""
+        per_token = sum(self.cache.bytes_per_token().values()) + 4
+        return self.cache.bytes_per_sequence() + self.cache.n_ctx * per_token + (1 << 20)
 
     def _cache_types(self) -> dict:
         types = self.options.cache_types()

@@ -109,8 +109,10 @@ def decode(data: bytes, where: str) -> SeqState:
         n_tokens = int(header["n_tokens"])
         sizes = [(str(k), int(n)) for k, n in header["parts"]]
         model, types = str(header["model"]), dict(header["cache_types"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StateError(f"{where}: truncated or damaged sequence state header ({exc})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise StateError(f"{where}: truncated or damaged sequence state header ({str(exc)[:200]})") from None
+    if n_tokens < 0 or any(n < 0 for _, n in sizes):  # a foreign file's header, checksum and all
+        raise StateError(f"{where}: damaged: its header has a negative count")
     expected = start + n_header + 4 * n_tokens + sum(n for _, n in sizes) + _DIGEST
     if len(data) != expected:
         raise StateError(f"{where}: truncated or damaged: {len(data)} bytes, the header says {expected}")

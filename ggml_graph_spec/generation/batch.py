@@ -132,14 +132,25 @@ class BatchGenerator:
         self._account(time.perf_counter() - t, feed)
         return logits
 
-    def sample(self, logits: dict[int, np.ndarray]) -> list[tuple[Request, TokenEvent]]:
-        """The next token of every request whose prompt is in (from feed's logits)."""
+    def sample(self, logits: dict[int, np.ndarray],
+               failed: Callable[[Request, Exception], None] | None = None) -> list[tuple[Request, TokenEvent]]:
+        """The next token of every request whose prompt is in (from feed's logits). With `failed`,
+        a request whose sampling raises (its sampler, constraint or reply parser) leaves the batch
+        and is reported there; the others are sampled as if it had never been in it."""
         events = []
         for r in list(self._requests):
             if r.todo or r.seq not in logits:  # more of its prompt to prefill
                 continue
             r.prefilling = False
-            events.append((r, self._sample(r, logits[r.seq])))
+            if failed is None:
+                events.append((r, self._sample(r, logits[r.seq])))
+                continue
+            try:
+                events.append((r, self._sample(r, logits[r.seq])))
+            except Exception as exc:  # noqa: BLE001 - one request's fault is that request's only
+                if r in self._requests:
+                    self._requests.remove(r)
+                failed(r, exc)
         return events
 
     def _next_input(self, r: Request) -> Run:

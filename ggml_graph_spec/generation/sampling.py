@@ -6,6 +6,11 @@ repeat_last_n accepted tokens, then top-k, top-p, min-p on the untempered distri
 temperature, then a draw; a temperature <= 0 takes the best token after the penalty), with
 llama-cli's defaults and its meaning of "off" for each one, so that the same flags mean the same
 thing in both runners. Suppressed tokens (--ignore-eos: the EOS) are never drawn.
+
+Any finite parameter gives a token, never NaN: a penalty saturates a logit at float32's largest
+magnitude (a -inf logit is only ever a token that may not be drawn), and the temperature divides
+the logits' distances to the best one in float64 (a temperature of 1e-300 is as good as greedy,
+1e300 as good as uniform over what the filters kept).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
 DEFAULT_REPEAT_PENALTY = 1.0  # off
 DEFAULT_REPEAT_LAST_N = 64
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,24 @@ def _probs(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64) - np.max(logits)
     p = np.exp(z)
     return p / p.sum()
+
+
+def tempered_probs(logits: np.ndarray, temp: float) -> np.ndarray:
+    """softmax(logits / temp) for any temp > 0: the float32 quotient as llama.cpp divides when it
+    is finite (the same draws as ever), else the distances to the largest logit over temp in
+    float64 (a temp float32 rounds to 0 or inf, a quotient that overflows)."""
+    with np.errstate(all="ignore"):
+        scaled = logits / np.float32(temp)
+        if np.isfinite(np.max(scaled)) and not np.isnan(scaled).any():
+            return _probs(scaled)
+        p = np.exp((logits.astype(np.float64) - np.max(logits)) / temp)
+    return p / p.sum()
+
+
+def _saturate(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """The allowed tokens' logits within float32's finite range (a penalty of 1e-30 or 1e30 moves
+    a logit there, not to +-inf); the others -inf."""
+    return np.where(allowed, np.clip(logits, -FLOAT32_MAX, FLOAT32_MAX), -np.inf).astype(np.float32)
 
 
 def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
@@ -91,7 +115,8 @@ def repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) ->
     ids = np.unique(np.asarray(recent, dtype=np.int64))
     out = logits.copy()
     hit = out[ids]
-    out[ids] = np.where(hit > 0, hit / np.float32(penalty), hit * np.float32(penalty))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # saturated by the caller
+        out[ids] = np.where(hit > 0, hit / np.float32(penalty), hit * np.float32(penalty))
     return out
 
 
@@ -130,15 +155,19 @@ class Sampler:
             for token, value in self.params.bias:
                 logits[token] += np.float32(value)
             logits[list(self.params.suppress)] = -np.inf
+        allowed = np.isfinite(logits)
+        if not allowed.any():
+            raise ValueError("no token may be sampled: every one is suppressed or banned")
         logits = repeat_penalty(logits, self._recent, self.params.repeat_penalty)
         logits = presence_frequency_penalty(logits, self._recent, self.params.presence_penalty,
                                             self.params.frequency_penalty)
+        logits = _saturate(logits, allowed)
         if self.params.greedy:
             return int(np.argmax(logits))
         logits = top_k_filter(logits, self.params.top_k)
         logits = top_p_filter(logits, self.params.top_p)
         logits = min_p_filter(logits, self.params.min_p)
-        probs = _probs(logits / np.float32(self.params.temp))
+        probs = tempered_probs(logits, self.params.temp)
         return int(self._rng.choice(probs.size, p=probs))
 
 

@@ -18,6 +18,7 @@ from ..chat.reasoning import EFFORTS, MAX_BUDGET, REASONING_FORMATS, reply_start
 from ..chat.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from ..text.tokenizer import BPETokenizer
 from .errors import bad_request
+from .limits import RANGES
 
 
 
@@ -124,7 +125,7 @@ def _budget(body: Mapping[str, Any], defaults: AgentDefaults) -> tuple[int, str]
     for name in ("reasoning_budget_tokens", "thinking_budget_tokens"):
         value = body.get(name)
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= MAX_BUDGET:
+            if isinstance(value, bool) or not isinstance(value, int) or not RANGES[name].holds(value):
                 raise bad_request(f"'{name}' must be an integer in [-1, {MAX_BUDGET}] (-1: no budget)")
             budget = value
     message = body.get("reasoning_budget_message", defaults.budget_message)

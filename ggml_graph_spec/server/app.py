@@ -3,7 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health
     POST /v1/responses (OpenAI's Responses)   POST /v1/messages, /v1/messages/count_tokens (Anthropic's)
     POST /apply-template   POST /v1/chat/completions/input_tokens
-    GET /metrics   GET /slots   POST /slots/{id}?action=save|restore|erase   GET /props
+    GET /metrics   GET /slots   POST /slots/{id}?action=save|restore|erase   GET /props   GET /openapi.json
     POST /tokenize   POST /detokenize   GET / (the chat page)   GET /favicon.ico
 
 Handlers never touch the model: they check and tokenize a request (in a worker thread), hand a
@@ -12,6 +12,7 @@ job to the engine thread (engine.py) and relay what it posts back, whole or as s
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -24,9 +25,10 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..text.chat_template import ChatTemplate, unmark
-from . import http, protocol, streams
+from . import http, openapi, protocol, streams
 from .agent import AgentDefaults
 from .engine import Engine
+from .guard import Guard
 from .errors import EXCEED_CONTEXT, LOADING, NOT_SUPPORTED, ApiError, bad_request, unavailable
 from .jobs import Job
 from .media import Vision
@@ -39,6 +41,7 @@ from .streams import ChatApi
 from .slot_files import ACTIONS
 
 STATIC = Path(__file__).with_name("static")
+_SLOT_ID = re.compile(r"[0-9]{1,9}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class HttpSettings:
     slot_save_path: Path | None
     defaults: protocol.RequestDefaults = protocol.RequestDefaults()  # of a request's omitted fields: the flags
     agent: AgentDefaults = AgentDefaults()  # reasoning defaults of requests (--reasoning-*)
+    max_requests: int = 64  # requests inside the application at once (guard.py); more: 503
+    max_connections: int = 256  # open connections (connections.py); more: 503, then closed at once
+    header_timeout: float = 10.0  # seconds for a request's line and headers (connections.py)
 
 
 class Server:
@@ -93,14 +99,15 @@ def build_app(server: Server) -> Any:
     app = FastAPI(title="kimi-k3-server", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(ApiError, http.api_error)
     app.add_exception_handler(HTTPException, http.http_error)
-    app.add_exception_handler(Exception, http.internal_error(server.log))
+    app.add_exception_handler(Exception, http.internal_error)
     _info_routes(app, server)
     _generation_routes(app, server)
     _agent_routes(app, server)
     _slot_routes(app, server)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     guarded = http.ApiKey(app, server.settings.api_key)
-    return http.WriteTimeout(guarded, server.settings.timeout, server.log)
+    return Guard(http.WriteTimeout(guarded, server.settings.timeout, server.log), server.log,
+                 server.settings.max_requests)
 
 
 def _info_routes(app: FastAPI, server: Server) -> None:
@@ -130,6 +137,11 @@ def _info_routes(app: FastAPI, server: Server) -> None:
     async def props() -> Response:
         server.need_engine()
         return JSONResponse(server.props)
+
+    @app.get("/openapi.json")
+    async def schema() -> Response:
+        """Every endpoint's request body, as the server checks it (openapi.py)."""
+        return JSONResponse(openapi.document())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -223,7 +235,7 @@ def _slot_routes(app: FastAPI, server: Server) -> None:
         action = request.query_params.get("action")
         if action not in ACTIONS:
             raise bad_request(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
-        if not slot_id.isdigit() or int(slot_id) >= len(engine.slots):
+        if not _SLOT_ID.fullmatch(slot_id) or int(slot_id) >= len(engine.slots):  # not isdigit: "²" is a digit
             raise bad_request(f"slot id must be 0..{len(engine.slots) - 1}, got {slot_id!r}")
         filename = None
         if action != "erase":

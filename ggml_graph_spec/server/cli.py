@@ -223,8 +223,10 @@ def request_defaults(a: argparse.Namespace) -> RequestDefaults:
 def http_settings(a: argparse.Namespace) -> HttpSettings:
     o = a.reply_options
     agent = AgentDefaults(o.reasoning_format, o.reasoning_budget, o.budget_message, o.thinking, o.effort, o.response)
+    # Every slot's stream and queued request twice over, and room for /health, /metrics, /slots.
+    max_requests = 2 * (a.parallel + a.queue) + 32
     return HttpSettings(a.alias or a.model.name, a.api_key, a.max_body, a.timeout, a.slot_save_path,
-                        request_defaults(a), agent)
+                        request_defaults(a), agent, max_requests=max_requests)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -11,6 +11,11 @@ queues and one lock); it answers through each job's queue (jobs.py). Its loop:
 
 A job joins or leaves between two steps; a cancelled job (its client went away) leaves at the
 next one and frees its slot.
+
+A fault while one job is started, sampled or ended (an exception from its sampler, its constraint,
+its reply parser) fails THAT job (a 500 naming the exception, one log line) and frees and empties
+its slot; a fault of the model's step fails the jobs of that step. The engine serves on: only a
+fault of its own loop ends it.
 """
 from __future__ import annotations
 
@@ -147,6 +152,16 @@ class Engine:
             pass
 
     def _command(self, kind: str, value) -> None:
+        try:
+            self._do(kind, value)
+        except Exception as exc:  # noqa: BLE001 - one command's fault is its job's, not the engine's
+            if kind == "cancel":
+                request = next((r for r, j in self._running.items() if j is value), None)
+                self._failed(value, exc, request)
+            else:
+                raise
+
+    def _do(self, kind: str, value) -> None:
         if kind == "job":
             self._waiting.append(value)
             self.stats.requests += 1
@@ -173,8 +188,11 @@ class Engine:
             if slot.busy:
                 raise unavailable(f"slot {slot_id} is processing a request; try again when it is idle")
             future.set_result(self.slot_files.run(self.model, slot, action, filename))
-        except (ApiError, KimiError, OSError) as exc:
+        except ApiError as exc:
             future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - the action's own fault (slot_files says what it knows)
+            self._log(f"error: slot {slot_id}: {action}: {type(exc).__name__}: {exc}")
+            future.set_exception(ApiError(500, SERVER, f"slot {slot_id}: {action} failed ({type(exc).__name__})"))
 
     def _start_waiting(self) -> None:
         while self._waiting:
@@ -186,7 +204,11 @@ class Engine:
             if job.cancel_requested.is_set():
                 self._ended(job, "cancelled")
                 continue
-            self._start(job, choice)
+            try:
+                self._start(job, choice)
+            except Exception as exc:  # noqa: BLE001 - a job that cannot start fails alone
+                request = next((r for r, j in self._running.items() if j is job), None)
+                self._failed(job, exc, request, choice.slot)
 
     def _start(self, job: Job, choice) -> None:
         slot, req = choice.slot, job.request
@@ -222,25 +244,33 @@ class Engine:
         busy = len(self._running)
         try:
             logits = self.batch.feed()
-        except KimiError as exc:  # a batch the model refused, or non-finite logits: fail those jobs
-            self._fail_running(exc)
+        except Exception as exc:  # noqa: BLE001 - a batch the model refused, non-finite logits, a fault of
+            self._fail_running(exc)  # the model's call: the jobs of this step fail, the engine goes on
             return
         self.stats.n_decode += 1
         self.stats.busy_slots += busy
         prompt_done = [r for r in self._running if r.prefilling and not r.todo]
-        for request, event in self.batch.sample(logits):
-            self._running[request].token(event)
-            if event.stop:
-                self._finish(request, event.stop)
+        for request, event in self.batch.sample(logits, self._sample_failed):
+            job = self._running[request]
+            try:
+                job.token(event)
+                if event.stop:
+                    self._finish(request, event.stop)
+            except Exception as exc:  # noqa: BLE001 - its reply parser's or its end's fault: that job's only
+                self._failed(job, exc, request)
         for request in prompt_done:  # after the first tokens went out: their latency does not pay for it
-            self._checkpoint(request)
+            if request in self._running:
+                self._checkpoint(request)
 
     def _checkpoint(self, request: Request) -> None:
         """The slot's state at the end of the prompt (until the next step feeds the sampled token,
         the sequence holds exactly the prompt)."""
         slot, tokens = self.slots[request.seq], self.model.seq_tokens(request.seq)
         if slot.keep and EMBEDDING_POS not in tokens:  # a prompt with images is never reused (server/media.py)
-            slot.remember(Checkpoint(tuple(tokens), self.model.state_get(request.seq)))
+            try:
+                slot.remember(Checkpoint(tuple(tokens), self.model.state_get(request.seq)))
+            except Exception as exc:  # noqa: BLE001 - a checkpoint only saves work: without it the job goes on
+                self._log(f"error: slot {slot.id}: no checkpoint of this prompt ({type(exc).__name__}: {exc})")
 
     def _finish(self, request: Request, reason: str) -> None:
         job = self._running.pop(request)
@@ -257,12 +287,30 @@ class Engine:
         job.end(reason)
         self._release()
 
+    def _sample_failed(self, request: Request, exc: Exception) -> None:
+        self._failed(self._running[request], exc, request)
+
+    def _failed(self, job: Job, exc: BaseException, request: Request | None, slot: Slot | None = None) -> None:
+        """One job's fault: it ends with an error (its own ApiError, else a 500 naming the
+        exception), its slot is freed and emptied (what the slot holds may be half a step), one
+        log line; the engine goes on."""
+        self._log(f"error: task {job.id}: {type(exc).__name__}: {exc}")
+        if request is not None:
+            self.batch.cancel(request, "error")
+            self._running.pop(request, None)
+            slot = self.slots[request.seq]
+        if slot is not None:
+            self.model.seq_rm(slot.id)
+            slot.busy, slot.history = False, []
+        job.fail(exc if isinstance(exc, ApiError) else ApiError(500, SERVER, f"{type(exc).__name__}: {exc}"))
+        self._release()
+
     def _release(self) -> None:
         with self._lock:
             self._outstanding -= 1
 
     def _fail_running(self, exc: BaseException) -> None:
-        self._log(f"error: {exc}")
+        self._log(f"error: {exc}" if isinstance(exc, KimiError) else f"error: {type(exc).__name__}: {exc}")
         for request, job in list(self._running.items()):
             self.batch.cancel(request, "error")
             self._running.pop(request)

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from gguf_arch.io.jsonfile import not_unicode
-
-from .errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER, TOO_LARGE, ApiError, anthropic_error,
-                     bad_request)
+from . import bodies
+from .bodies import ClientGone
+from .errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER, TOO_LARGE, ApiError, anthropic_error
 
 # llama-server's public endpoints: no key needed (the chat page asks for one itself).
 PUBLIC = ("/", "/health", "/v1/health", "/models", "/v1/models", "/favicon.ico")
@@ -39,12 +37,10 @@ async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(ApiError(exc.status_code, kind, str(exc.detail)))
 
 
-def internal_error(log):
-    async def handler(request: Request, exc: Exception) -> JSONResponse:
-        # A fault of the server's own: one line in its log, one error object to the client.
-        log(f"error: {request.method} {request.url.path}: {type(exc).__name__}: {exc}")
-        return error_response(ApiError(500, SERVER, f"{type(exc).__name__}: {exc}"))
-    return handler
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A fault of the server's own: one error object to the client (Starlette then re-raises it,
+    and guard.py says it in one log line)."""
+    return error_response(ApiError(500, SERVER, f"{type(exc).__name__}: {exc}"), request.url.path)
 
 
 class ApiKey:
@@ -107,23 +103,18 @@ def _is_stall(exc: BaseException) -> bool:
 
 
 async def read_json(request: Request, limit: int, timeout: float) -> Any:
-    """The request body as JSON: at most `limit` bytes (413 beyond: the rest is read and dropped,
-    so that the client hears the answer), read within `timeout` seconds (408)."""
+    """The request body as JSON (bodies.py's rules): at most `limit` bytes (413 beyond: the rest is
+    read and dropped, so that the client hears the answer), read within `timeout` seconds (408);
+    a client that goes away meanwhile: ClientGone, nothing queued."""
     try:
         async with asyncio.timeout(timeout):
             body = await _read_body(request, limit)
     except TimeoutError:
         raise ApiError(408, INVALID_REQUEST, f"the request body did not arrive within {timeout:g} s (--timeout)") \
             from None
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
-        raise bad_request(f"the request body is not valid JSON ({str(exc)[:120]})") from None
-    where = not_unicode(value)
-    if where is not None:
-        raise bad_request(f"'{where or 'the request body'}' is not valid Unicode (a lone surrogate escape such as "
-                          "\\ud800)")
-    return value
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return bodies.parse(body)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

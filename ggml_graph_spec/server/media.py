@@ -18,20 +18,24 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import re
 import threading
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
+from PIL import Image
 
 from ..engine.model import Model
 from ..generation.media import MediaPrompt, media_runs, plan_media
 from ..vision.encode import VisionEncoder
-from ..vision.preprocess import MediaError, MediaItem, image_from_bytes, media_item
+from ..vision.preprocess import FORMATS, MAX_PIXELS, MediaError, MediaItem, image_from_bytes, media_item
 from ..vision.prompt import PromptError, media_part
 from .errors import bad_request
 
 IMAGE_PART = "image_url"
+MAX_REQUEST_PIXELS = 16 * MAX_PIXELS  # the pixels of one request's images, in all (PixelBudget)
 _DATA_URI = re.compile(r"data:(?:[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[^;,]*)*;base64,(?P<data>.*)", re.DOTALL)
 
 
@@ -41,9 +45,13 @@ class Vision:
     def __init__(self, encoder: VisionEncoder) -> None:
         self.encoder = encoder
         self._lock = threading.Lock()
+        # One image decoded at a time, server-wide: a decoded image may take up to Pillow's limit of
+        # pixels (89 M, ~360 MB as RGBA) before it is resized, so memory holds one such at most.
+        self._decoding = threading.Lock()
 
-    def item(self, part: Any, where: str) -> MediaItem:
-        """An image_url part's image, read and preprocessed (400 for anything else)."""
+    def item(self, part: Any, where: str, budget: "PixelBudget | None" = None) -> MediaItem:
+        """An image_url part's image, read and preprocessed (400 for anything else); its pixels
+        taken from the request's `budget` before it is decoded."""
         url = part.get(IMAGE_PART)
         url = url.get("url") if isinstance(url, dict) else None
         if not isinstance(url, str):
@@ -56,7 +64,10 @@ class Vision:
             raise bad_request(f"'{where}.image_url.url' must be a base64 data: URI (data:image/png;base64,...)")
         try:
             data = base64.b64decode(m["data"], validate=True)
-            return media_item([image_from_bytes(data, where)], self.encoder.cfg, where)
+            if budget is not None:
+                budget.take(data, where)
+            with self._decoding:
+                return media_item([image_from_bytes(data, where)], self.encoder.cfg, where)
         except binascii.Error:
             raise bad_request(f"'{where}.image_url.url': the data is not valid base64") from None
         except MediaError as exc:
@@ -77,9 +88,30 @@ class Vision:
         self.encoder.close()
 
 
+class PixelBudget:
+    """The pixels one request's images may have in all (MAX_REQUEST_PIXELS): a body of small
+    files that each decode to Pillow's limit would otherwise keep the decoder busy for minutes.
+    Each image's size is read from its header, before it is decoded."""
+
+    def __init__(self, pixels: int = 0) -> None:
+        self.left = pixels or MAX_REQUEST_PIXELS
+
+    def take(self, data: bytes, where: str) -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is refused in words
+                with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+                    pixels = image.width * image.height
+        except Exception:  # noqa: BLE001 - not an image: its decoding says what it is
+            return
+        if pixels > self.left:
+            raise bad_request(f"'{where}': the request's images have more than {MAX_REQUEST_PIXELS} pixels in all")
+        self.left -= pixels
+
+
 def image_parts(messages: list[dict], vision: Vision | None) -> tuple[list[dict], list[MediaItem]]:
     """The messages with each image_url part made the template's image part, and the images in order."""
-    out, items = [], []
+    out, items, budget = [], [], PixelBudget()
     for i, m in enumerate(messages):
         content = m.get("content")
         if not isinstance(content, list) or not any(p["type"] == IMAGE_PART for p in content):
@@ -92,7 +124,7 @@ def image_parts(messages: list[dict], vision: Vision | None) -> tuple[list[dict]
                 if vision is None:
                     raise bad_request(f"'{where}' is an image: this server has no vision encoder (start it with "
                                       "--mmproj MMPROJ.gguf)")
-                items.append(vision.item(part, where))
+                items.append(vision.item(part, where, budget))
                 part = media_part(items[-1])
             parts.append(part)
         out.append({**m, "content": parts})

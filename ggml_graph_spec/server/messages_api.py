@@ -13,6 +13,7 @@ import json
 import secrets
 from typing import Any, Mapping
 
+from .bodies import text as text_value
 from .errors import ApiError, anthropic_error, bad_request
 from .fields import PASSED_ON, MESSAGES, check_fields
 from .jobs import Result
@@ -40,7 +41,8 @@ def _image(block: dict, where: str) -> dict:
 def _tool_result(block: dict, where: str) -> dict:
     content = block.get("content", "")
     if isinstance(content, list):
-        content = "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+        content = "".join(text_value(b.get("text", ""), f"{where}.content[{i}].text") for i, b in enumerate(content)
+                          if isinstance(b, dict) and b.get("type") == "text")
     if not isinstance(content, str):
         raise bad_request(f"'{where}.content' must be a string or text blocks")
     if block.get("is_error"):
@@ -66,7 +68,7 @@ def _turn(m: Any, i: int) -> list[dict]:
             calls.append({"id": b.get("id"), "type": "function",
                           "function": {"name": b.get("name"), "arguments": b.get("input", {})}})
         elif kind == "thinking" and role == "assistant":
-            thinking += b.get("thinking", "")
+            thinking += text_value(b.get("thinking", ""), f"{where}.thinking")
         else:
             raise bad_request(f"'{where}' is a {kind!r} block, which a {role} message here cannot hold")
     out = list(results)
@@ -139,8 +141,9 @@ def chat_body(body: Any) -> dict:
     msgs: list[dict] = []
     system = body.get("system")
     if system is not None:
-        text = system if isinstance(system, str) else "".join(b.get("text", "") for b in _blocks(system, "system"))
-        msgs.append({"role": "system", "content": text})
+        joined = system if isinstance(system, str) else "".join(text_value(b.get("text", ""), f"system[{i}].text")
+                                                                for i, b in enumerate(_blocks(system, "system")))
+        msgs.append({"role": "system", "content": joined})
     for i, m in enumerate(body["messages"]):
         msgs += _turn(m, i)
     chat: dict = {"messages": msgs, "stream": bool(body.get("stream"))}

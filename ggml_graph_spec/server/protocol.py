@@ -8,7 +8,7 @@ flag. A field the endpoint does not take is refused by name (fields.py).
 """
 from __future__ import annotations
 
-import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -23,14 +23,13 @@ from ..text.tokenizer import BPETokenizer
 from ..vision.preprocess import MediaItem
 from .errors import bad_request
 from .fields import CHAT, COMPLETIONS, check_fields
+from .limits import ALL_TOKENS, MAX_BIAS, integer, number, window  # noqa: F401  (ALL_TOKENS: cli.py reads it here)
 from .agent import AgentDefaults, ChatReply, asks_format, response_format, agent_kwargs, history, reply_settings
 from .media import Vision, image_parts
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name for system
 _UNSET = object()
-ALL_TOKENS = 2**31 - 1  # a repeat_last_n default that spans any slot's whole context
 
 
 @dataclass(frozen=True)
@@ -78,30 +77,25 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float | None,
-            *, open_low: bool = False) -> float:
-    value = get_field(body, name, (int, float), "a number", default)
-    if not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a finite number, got {value}")
-    if value < low or (open_low and value == low) or (high is not None and value > high):
-        span = (f"> {low}" if open_low else f">= {low}") if high is None else f"in [{low}, {high}]"
-        raise bad_request(f"'{name}' must be {span}, got {value}")
-    return float(value)
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    """A number field in its range (limits.py); absent: `default`, taken as it is."""
+    value = get_field(body, name, (int, float), "a number", _UNSET)
+    return default if value is _UNSET else number(name, value)
 
 
-def _integer(body: Mapping[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> int | None:
-    value = get_field(body, name, (int,), "an integer", default)
-    if value is not None and (value < low or (high is not None and value > high)):
-        span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise bad_request(f"'{name}' must be {span}, got {value}")
-    return value
+def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | None:
+    """An integer field in its range (limits.py); absent: `default`, taken as it is. An integral
+    number written as a float (4.0) is that integer, as JSON Schema and OpenAI's API read it."""
+    value = get_field(body, name, (int, float), "an integer", _UNSET)
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise bad_request(f"'{name}' must be an integer, got float {_show(value)}")
+        value = int(value)
+    return default if value is _UNSET else integer(name, value)
 
 
 def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return get_field(body, name, (bool,), "true or false", default)
-
-
-MAX_BIAS = 100.0
 
 
 def logit_bias(body: Mapping[str, Any], vocab: int) -> tuple[frozenset[int], tuple[tuple[int, float], ...]]:
@@ -115,7 +109,8 @@ def logit_bias(body: Mapping[str, Any], vocab: int) -> tuple[frozenset[int], tup
         raise bad_request("'logit_bias' must map token ids to biases: {\"123\": -100}")
     banned, biases = set(), []
     for key, bias in pairs:
-        tid = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else None
+        # ASCII digits only, and few: str.isdigit also takes "²", which int() does not
+        tid = int(key) if isinstance(key, int) else int(key) if isinstance(key, str) and _ID.fullmatch(key) else None
         if tid is None or isinstance(key, bool) or not 0 <= tid < vocab:
             raise bad_request(f"'logit_bias': {key!r} is not a token id of the vocabulary 0..{vocab - 1}")
         if bias is False or (isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias == -MAX_BIAS):
@@ -123,8 +118,13 @@ def logit_bias(body: Mapping[str, Any], vocab: int) -> tuple[frozenset[int], tup
         elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and -MAX_BIAS < bias <= MAX_BIAS:
             biases.append((tid, float(bias)))
         else:
-            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100], got {bias!r}")
+            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100], got {_show(bias)}")
+    if len(banned) >= vocab:
+        raise bad_request("'logit_bias' bans every token of the vocabulary: nothing could be sampled")
     return frozenset(banned), tuple(biases)
+
+
+_ID = re.compile(r"[0-9]{1,19}")
 
 
 def sampling_params(body: Mapping[str, Any], suppress: frozenset[int],
@@ -132,18 +132,20 @@ def sampling_params(body: Mapping[str, Any], suppress: frozenset[int],
     """temperature, top_p, top_k, min_p, seed, repeat_penalty / repeat_last_n, presence_penalty,
     frequency_penalty: llama-server's names and meanings (temperature <= 0 is greedy; -1 seed:
     random); a field left out is `base`'s (the server's defaults)."""
-    seed = _integer(body, "seed", None, -1, 2**64 - 1)
+    seed = _integer(body, "seed", None)
     banned, biases = logit_bias(body, vocab)
+    if len(suppress | banned) >= vocab:
+        raise bad_request("'logit_bias' with 'ignore_eos' leaves no token that could be sampled")
     return SamplingParams(
-        temp=_number(body, "temperature", base.temp, 0.0, None),
-        top_k=_integer(body, "top_k", base.top_k, 0),
-        top_p=_number(body, "top_p", base.top_p, 0.0, 1.0),
-        min_p=_number(body, "min_p", base.min_p, 0.0, 1.0),
+        temp=_number(body, "temperature", base.temp),
+        top_k=_integer(body, "top_k", base.top_k),
+        top_p=_number(body, "top_p", base.top_p),
+        min_p=_number(body, "min_p", base.min_p),
         seed=base.seed if seed is None else None if seed == -1 else seed,
-        repeat_penalty=_number(body, "repeat_penalty", base.repeat_penalty, 0.0, None, open_low=True),
-        repeat_last_n=_integer(body, "repeat_last_n", base.repeat_last_n, 0),
-        presence_penalty=_number(body, "presence_penalty", base.presence_penalty, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", base.frequency_penalty, -2.0, 2.0),
+        repeat_penalty=_number(body, "repeat_penalty", base.repeat_penalty),
+        repeat_last_n=window(_integer(body, "repeat_last_n", base.repeat_last_n)),
+        presence_penalty=_number(body, "presence_penalty", base.presence_penalty),
+        frequency_penalty=_number(body, "frequency_penalty", base.frequency_penalty),
         suppress=suppress | banned, bias=biases)
 
 
@@ -160,10 +162,8 @@ def _max_tokens(body: Mapping[str, Any], default: int = -1) -> int:
     -n); -1: no limit but the context. Any size is taken: the slot's context clamps it
     (finish_reason "length")."""
     for name in ("max_completion_tokens", "max_tokens", "n_predict"):
-        value = _integer(body, name, None, -1)
+        value = _integer(body, name, None)  # 0 is refused by its range
         if value is not None:
-            if value == 0:
-                raise bad_request(f"'{name}' must be >= 1 (or -1: until the context is full), got 0")
             return value
     return default
 
@@ -171,20 +171,20 @@ def _max_tokens(body: Mapping[str, Any], default: int = -1) -> int:
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int:
     """Chat: logprobs true/false and top_logprobs N; completions: logprobs N (OpenAI's shapes)."""
     if chat:
-        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        top = _integer(body, "top_logprobs", None)
         if not _flag(body, "logprobs", False):
             if top is not None:
                 raise bad_request("'top_logprobs' needs 'logprobs': true")
             return -1
         return top or 0
-    n = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    n = _integer(body, "logprobs", None)
     return -1 if n is None else n
 
 
 def _n(body: Mapping[str, Any]) -> None:
-    n = _integer(body, "n", 1, 1)
+    n = get_field(body, "n", (int,), "an integer", 1)
     if n != 1:
-        raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}")
+        raise bad_request(f"'n' must be 1: this server returns one choice per request, got {_show(n)}")
 
 
 def gen_request(body: Any, prompt: list[int], chat: bool, eos: int | None,
@@ -230,8 +230,10 @@ def completion_prompt(body: Mapping[str, Any], tokenizer: BPETokenizer) -> list[
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = token_ids(prompt, "prompt", tokenizer.vocab_size)
-    elif isinstance(prompt, list):
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request("'prompt' holds several prompts: this server takes one per request")
+    elif isinstance(prompt, list):
+        raise bad_request("'prompt' must be a string or a list of token ids (integers)")
     else:
         raise bad_request("'prompt' is required: a string or a list of token ids")
     if not ids:

@@ -15,6 +15,7 @@ import secrets
 import time
 from typing import Any, Mapping
 
+from .bodies import text as text_value
 from .errors import ApiError, bad_request
 from .fields import PASSED_ON, RESPONSES, check_fields
 from .jobs import Result
@@ -64,7 +65,8 @@ def _messages(body: Mapping[str, Any]) -> list[dict]:
         if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
             msgs.append({"role": item["role"], "content": _text_of(item.get("content"), where)})
         elif kind == "reasoning":
-            texts = [c.get("text", "") for c in item.get("content") or item.get("summary") or [] if isinstance(c, dict)]
+            texts = [text_value(c.get("text", ""), f"{where}.text")
+                     for c in item.get("content") or item.get("summary") or [] if isinstance(c, dict)]
             pending_reasoning = "".join(texts)
             continue
         elif kind == "function_call":
@@ -109,6 +111,9 @@ def _tool_choice(value: Any) -> Any:
 
 def _format(text: Any) -> dict | None:
     fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("'text.format' must be an object: {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                          "{\"type\": \"json_schema\", \"schema\": ...}")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

@@ -17,6 +17,7 @@ import uvicorn
 
 from ..text.chat_template import ChatTemplate
 from .app import Server, build_app
+from .connections import protocol
 from .engine import Engine
 
 # How long a stop waits for open connections to end once every job has ended (uvicorn's
@@ -41,8 +42,10 @@ def bind(host: str, port: int) -> socket.socket:
 class Service:
     def __init__(self, server: Server, sock: socket.socket) -> None:
         self.server, self.sock = server, sock
+        settings = server.settings
         config = uvicorn.Config(build_app(server), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=int(STOP_GRACE_S), timeout_keep_alive=5)
+                                timeout_graceful_shutdown=int(STOP_GRACE_S), timeout_keep_alive=5,
+                                http=protocol(settings.header_timeout, settings.max_connections))
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="kimi-k3-http", daemon=True)
         self.engine: Engine | None = None

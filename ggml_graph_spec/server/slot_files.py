@@ -2,7 +2,10 @@
 `action=erase`, in the engine's one state format (engine/state.py: a file written whole or not
 at all, refused with one line when it is not one, damaged, or of another model or cache type).
 
-Files live in --slot-save-path only: a filename is a plain name, never a path.
+Files live in --slot-save-path only: a filename is a plain name, never a path. A save is
+written whole or not at all (a partial file renamed over the name once complete): a full disk or
+a read-only directory is a 500 saying so, and a file of that name is as it was. A restore reads a
+regular file of at most any state's size of this context, never a FIFO (it would wait forever).
 """
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ import re
 import time
 from pathlib import Path
 
+from gguf_arch.errors import OutputError
+
 from ..engine.model import Model
 from ..engine.state import StateError
-from .errors import bad_request
+from .errors import SERVER, ApiError, bad_request
 from .slots import Slot
 
 ACTIONS = ("save", "restore", "erase")
@@ -47,7 +52,14 @@ class SlotFiles:
                         "n_written": n_bytes, "timings": {"save_ms": (time.perf_counter() - t) * 1e3}}
             n = model.state_load(slot.id, path)
         except StateError as exc:
-            raise bad_request(str(exc).replace(str(self.directory) + "/", "")) from None
+            raise bad_request(self._private(exc)) from None
+        except (OutputError, OSError) as exc:  # a full disk, a read-only directory: nothing was replaced
+            raise ApiError(500, SERVER, f"slot {slot.id}: saving {filename!r} failed ({self._private(exc)}); a "
+                                        "file of that name is as it was") from None
         slot.history = model.seq_tokens(slot.id)
         return {"id_slot": slot.id, "filename": filename, "n_restored": n, "n_read": path.stat().st_size,
                 "timings": {"restore_ms": (time.perf_counter() - t) * 1e3}}
+
+    def _private(self, exc: Exception) -> str:
+        """A message without the server's directory (clients are not told where it keeps files)."""
+        return str(exc).replace(str(self.directory) + "/", "").replace(str(self.directory), "the slot directory")

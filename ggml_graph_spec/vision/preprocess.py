@@ -15,8 +15,9 @@ Per image (`media_proc_cfg`, carried by the mmproj as `MediaConfig`):
    channel-first.
 
 The original width and height (before resize and padding) go into the prompt's media block.
-Files are read with Pillow (PNG, JPEG, WebP); anything else, an unreadable or truncated file, an
-image beyond Pillow's decompression-bomb limit, frames of a clip that differ in size or a clip
+Files are read with Pillow (PNG, JPEG, WebP; 16-bit greyscale as its top byte, an animated file as
+its first frame); anything else, an unreadable or truncated file, an image beyond Pillow's
+decompression-bomb limit, frames of a clip that differ in size or a clip
 longer than the tower's time table are one-line `MediaError`s naming the file.
 """
 from __future__ import annotations
@@ -114,7 +115,17 @@ def _decode(source: Path | io.BytesIO, where: str) -> Image.Image:
         raise MediaError(f"{where}: refused by Pillow's decompression-bomb limit ({exc})") from None
     except (OSError, ValueError, SyntaxError) as exc:
         raise MediaError(f"{where}: cannot be decoded ({type(exc).__name__}: {exc})") from None
-    return image
+    return _eight_bit(image)
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit greyscale PNG (Pillow's I;16 and I modes) as the 8-bit greyscale image it shows: its
+    values' top byte. Pillow's own convert to RGB clips every value past 255 to white. (16-bit
+    colour PNGs Pillow already reads as 8-bit RGB, their top bytes.)"""
+    if not image.mode.startswith("I"):
+        return image
+    values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535) >> 8
+    return Image.fromarray(values.astype(np.uint8), "L")
 
 
 def _has_alpha(image: Image.Image) -> bool:
