@@ -39,7 +39,9 @@ def _setup(root, level: str, *after: str) -> tuple[subprocess.CompletedProcess, 
     calls = root.parent / "calls"
     calls.unlink(missing_ok=True)
     script = f"source scripts/setup_env.sh {level}; " + "; ".join(after or (":",))
-    env = {**os.environ, "KIMI_K3_CACHE": str(root.parent / "cache")}
+    # the test command's own setup exported where its tools are: a fresh shell has none of that
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_K3_")}
+    env["KIMI_K3_CACHE"] = str(root.parent / "cache")
     run = subprocess.run(["bash", "-c", script], cwd=root, capture_output=True, text=True, env=env, timeout=60)
     return run, calls.read_text().splitlines() if calls.exists() else []
 
