@@ -96,10 +96,12 @@ def test_each_layer_keeps_its_weights_and_state_on_its_device(k31pro_tiny_gguf, 
 @pytest.mark.parametrize("dsa, top_k, dsa_path", [
     (True, None, "gather"), (True, 8, "gather"), (True, 8, "masked"), (False, None, None)])
 def test_fast_path_over_three_servers_equals_the_local_fast_path(k31pro_tiny_gguf, servers, dsa, top_k, dsa_path):
-    """Everything on the servers (this host's share 0: the output head runs on the last one)."""
+    """Everything on the servers (this host's share 0: the output head runs on the last one).
+    The baseline is the local run without repack: --rpc never repacks, and repacked experts take
+    other kernels, whose sums round otherwise (test_repack.py)."""
     ids = np.load(REPO / "tests/fixtures/k31pro-tiny/reference.npz")["input_ids_long"]
     kw = dict(dsa=dsa, top_k=top_k, dsa_path=dsa_path)
-    local = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, n_threads=1, **kw)
+    local = Model.load(k31pro_tiny_gguf, n_ctx=N_CTX, n_threads=1, repack=False, **kw)
     try:
         want = np.concatenate([local.eval(ids[:90])] + [local.eval([t]) for t in ids[90:]])
     finally:

@@ -321,17 +321,23 @@ def _mixed_run(gguf, **kw) -> dict:
 
 def test_a_mixed_batch_under_a_memory_budget_equals_the_unlimited_one(k31pro_tiny_gguf):
     """The streaming executor reads the experts the whole batch selects (the union) once a step
-    and computes from the same bytes: the same logits bit for bit at half the file."""
-    unlimited = _mixed_run(k31pro_tiny_gguf)
+    and computes from the same bytes: the same logits bit for bit at half the file. The baseline is
+    the mapped run without repack: a memory budget never repacks (it reads the experts from the
+    file), and the default load's repacked experts take other kernels, whose sums round otherwise
+    (test_repack.py bounds that difference)."""
+    unlimited = _mixed_run(k31pro_tiny_gguf, repack=False)
     budget = _mixed_run(k31pro_tiny_gguf, mem_budget=k31pro_tiny_gguf.stat().st_size // 2)
     for s in unlimited:
         np.testing.assert_array_equal(budget[s], unlimited[s], err_msg=f"sequence {s}")
 
 
 def test_a_mixed_batch_over_rpc_equals_the_local_one(k31pro_tiny_gguf):
-    """Each sequence's caches live on its layers' devices (a plane per sequence there too)."""
+    """Each sequence's caches live on its layers' devices (a plane per sequence there too), and
+    the servers compute from the same bytes as the local mapped weights: the same logits bit for
+    bit. The baseline is the local run without repack: --rpc never repacks, and the default load's
+    repacked experts take other kernels, whose sums round otherwise (test_repack.py bounds that)."""
     from tests.support.rpc_servers import RpcServers
-    local = _mixed_run(k31pro_tiny_gguf)
+    local = _mixed_run(k31pro_tiny_gguf, repack=False)
     with RpcServers(2) as servers:
         remote = _mixed_run(k31pro_tiny_gguf, rpc=servers.endpoints, tensor_split="1,1,1")
     for s in local:

@@ -31,7 +31,7 @@ CASES = {"e2e1": (f"[BOS]{MEDIA_MARKER}The picture shows", ["img_48x32"]),
          "e2e2": (f"[BOS]{MEDIA_MARKER} and {MEDIA_MARKER} show", ["img_24x24", "img_37x21"]),
          "e2ev": (f"[BOS]{MEDIA_MARKER}The video shows", ["vid_2x32x24"])}
 ARRAYS = ("logits", "greedy_step_logits", "logits_full_final")
-FAST_AGREEMENT = 0.75  # docs/images.md: the fast path's argmax agrees at 0.81-0.95 of the positions
+NOISE_SEEDS = 16  # test_fast_path_distance: the noisy runs its bar is derived from
 
 
 def tolerance(ref, case: str, key: str) -> float:
@@ -149,20 +149,48 @@ def test_bad_prompts_are_refused_before_anything_is_encoded(exact_model, exact_e
         generate_media(exact_model, exact_encoder, "many", [files("img_48x32")] * 11, sampler, stop)
 
 
-def test_fast_path_distance(k31pro_tiny_gguf, k31pro_tiny_mmproj, ref):
+def _agreement(model: Model, runs: list[np.ndarray], want: np.ndarray) -> float:
+    """The share of the prompt's positions whose argmax is the reference's."""
+    return float((_teacher_forced(model, runs, []).argmax(1) == want).mean())
+
+
+def _with_noise(runs: list[np.ndarray], level: float, seed: int) -> list[np.ndarray]:
+    """The image rows times 1 + level x a standard normal, each element its own draw."""
+    rng = np.random.default_rng(seed)
+    return [(r * (1 + level * rng.standard_normal(r.shape))).astype(np.float32) if r.dtype.kind == "f" else r
+            for r in runs]
+
+
+def test_fast_path_distance(k31pro_tiny_gguf, k31pro_tiny_mmproj, exact_encoder, ref):
     """The fast path (the weights as stored, BF16 activations in the encoder, MXFP4 experts with
-    8-bit activations) is another computation: on this random model even the exact path fed the
-    image rows with a relative noise of 2^-8 (the fast encoder's own distance) agrees on 76-92% of
-    the argmaxes. It must still see the images: the same prompts with the image rows zeroed agree
-    on about a third."""
+    8-bit activations) is another computation, and how far its argmaxes follow the reference's
+    depends on the CPU: ggml's BF16 matmuls take AVX512-BF16's dot product instructions where
+    there are, F32 FMAs 8 wide on AVX2 (its F16 dot products in the attention 16 wide or 8), which
+    round otherwise, and this random model amplifies the difference. Measured: 80-96% of the positions on AVX512-BF16 CPUs, 69% (e2e2) to 90% on
+    an AVX2-only AMD EPYC (repack on or off alike). A fixed bar would be one CPU's measurement, so
+    the test derives it on the CPU it runs on, case by case: the fast text model fed the exact
+    encoder's rows with a relative noise the size of the fast encoder's distance from them (max
+    relative, measured here: 2.5e-3 to 4.5e-3, within test_tower's bound 4 x 2^-8), over
+    NOISE_SEEDS seeds. If the fast encoder's rows are to the text model what noise of their own
+    size is, the fast path's agreement is one draw of that distribution: it must reach its mean
+    minus 3 standard deviations (AVX2: bars 0.57 to 0.74, means 0.74 to 0.89). It must see the
+    images: the same prompts with the image rows zeroed agree at about a third of the positions,
+    below every bar (so a path that ignores the rows fails)."""
     m = Model.load(k31pro_tiny_gguf, n_ctx=128, n_threads=1)
     try:
         with VisionEncoder.open(k31pro_tiny_mmproj, exact=False, threads=1) as enc:
             for case in CASES:
                 runs = media_runs(m, enc, media_prompt(m, enc, CASES[case][0], media_of(case)))
-                blind = [np.zeros_like(r) if r.dtype.kind == "f" else r for r in runs]
+                exact = media_runs(m, exact_encoder, media_prompt(m, exact_encoder, CASES[case][0], media_of(case)))
+                level = max(float(np.abs(r - e).max() / np.abs(e).max()) for r, e in zip(runs, exact)
+                            if r.dtype.kind == "f")
+                assert level < 4 * 2.0 ** -8, case
                 want = ref[f"{case}/logits"].argmax(1)
-                assert (_teacher_forced(m, runs, []).argmax(1) == want).mean() >= FAST_AGREEMENT, case
-                assert (_teacher_forced(m, blind, []).argmax(1) == want).mean() < FAST_AGREEMENT - 0.25, case
+                noisy = [_agreement(m, _with_noise(exact, level, seed), want) for seed in range(NOISE_SEEDS)]
+                bar = np.mean(noisy) - 3 * np.std(noisy)
+                seen = _agreement(m, runs, want)
+                blind = _agreement(m, [np.zeros_like(r) if r.dtype.kind == "f" else r for r in runs], want)
+                assert seen >= bar, f"{case}: the fast path agrees at {seen:.3f}, the noisy rows at {np.mean(noisy):.3f} +- {np.std(noisy):.3f}"
+                assert blind < bar, f"{case}: with the image rows zeroed {blind:.3f}, the bar {bar:.3f}"
     finally:
         m.close()
