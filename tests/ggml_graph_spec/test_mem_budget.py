@@ -32,7 +32,9 @@ CHILD = """
 import json, sys, numpy as np
 from ggml_graph_spec.engine.model import Model
 path, exact, budget = sys.argv[1], sys.argv[2] == "1", (None if sys.argv[3] == "none" else sys.argv[3])
-m = Model.load(path, n_ctx=64, exact_experts=exact, n_threads=1, mem_budget=budget)
+# repack=False: a budget streams the mapped experts, so the unlimited reference maps them too (the
+# default would repack them where the GGUF fits, and the repacked kernels round their sums otherwise)
+m = Model.load(path, n_ctx=64, exact_experts=exact, n_threads=1, mem_budget=budget, repack=False)
 m.eval([1]); m.reset()
 x = m.executor
 def read():
