@@ -107,7 +107,7 @@ def _reasoning(body: Mapping[str, Any], kwargs: dict, defaults: AgentDefaults) -
     the request's own chat_template_kwargs win."""
     effort = body.get("reasoning_effort")
     if effort is not None:
-        if effort not in EFFORTS:
+        if not isinstance(effort, str) or effort not in EFFORTS:  # a dict's lookup: an unhashable value raised
             raise bad_request(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, got {effort!r}")
         kwargs.setdefault("thinking", effort != "none")
         if effort != "none":

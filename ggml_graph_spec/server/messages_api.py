@@ -106,6 +106,7 @@ def _choice(value: Any, chat: dict) -> None:
     if value is None:
         return
     kind = value.get("type") if isinstance(value, dict) else None
+    kind = kind if isinstance(kind, str) else None  # looked up in a dict: an unhashable value raised
     names = {"auto": "auto", "any": "required", "none": "none"}
     if kind in names:
         chat["tool_choice"] = names[kind]

@@ -54,6 +54,25 @@ def test_a_schema_or_tools_that_cannot_be_used_is_a_400_naming_why(server, field
     assert _greedy(server) == before
 
 
+@pytest.mark.parametrize("path, fields, name", [
+    ("/v1/chat/completions", {"reasoning_effort": []}, "reasoning_effort"),
+    ("/v1/chat/completions", {"reasoning_effort": {"a": 1}}, "reasoning_effort"),
+    ("/v1/chat/completions", {"reasoning_format": []}, "reasoning_format"),
+    ("/v1/chat/completions", {"tool_choice": []}, "tool_choice"),
+    ("/v1/messages", {"tool_choice": {"type": []}}, "tool_choice.type"),
+    ("/v1/messages", {"tool_choice": {"type": {"x": 1}}}, "tool_choice.type"),
+])
+def test_an_enumerated_field_given_a_list_or_object_is_a_400_naming_it(server, path, fields, name):
+    """Such a value is looked up in a table of the allowed words: it is refused for what it is, never
+    a 500 of the lookup (the schema fuzzer found these)."""
+    before = _greedy(server)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **fields}
+    r = server.http.post(path, json=body)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and name in message, r.text[:300]
+    assert _greedy(server) == before
+
+
 def test_500_tools_are_declared_or_refused_as_too_long_for_the_context(server):
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
         "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}} for i in range(500)]
