@@ -105,11 +105,10 @@ class EndInTime:
     def policy(self, matcher, bits: Bits | None = None) -> int | None:
         """The closing policy's token in the matcher's state: what the grammar forces, else the
         first allowed of CLOSERS, else the lowest allowed id, not a blank where another is allowed
-        (None: no token is allowed). `bits`
-        is the state's mask when the caller has it; else it is computed only where the grammar
-        forces no token (the answer does not depend on it there): the look-ahead's way takes
-        2-4x fewer masks. Its time is mostly its steps' own (consume, the copies), not the masks
-        (bench/agents.py)."""
+        (None: no token is allowed). `bits` is the state's mask when the caller has it; else it is
+        computed only where the grammar forces no token (the answer does not depend on it there):
+        the look-ahead's way takes 2-4x fewer masks. Its time is mostly its steps' own (consume,
+        the copies), not the masks (bench/agents.py)."""
         forced = matcher.compute_ff_tokens()
         if forced:
             return forced[0]

@@ -38,7 +38,6 @@ def masked_way(end: EndInTime, matcher, cap: int, n_vocab: int) -> tuple[int, in
         bits.fill(shadow)
         unforced += not shadow.compute_ff_tokens()
         choice = end.policy(shadow, bits)
-        choice = bits.lowest(skip=end._blank) if choice is None else choice
         if choice is None:
             break
         n += 1
